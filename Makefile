@@ -1,0 +1,53 @@
+# The two commands a new machine needs are `make demo` and `make test`; each installs what it
+# needs first (Debian packages through apt-get when root, Python packages into .venv).
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Debian packages the tests, the demo and the benchmarks use.
+DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2
+
+.PHONY: deps install test lint bench demo clean
+
+deps: $(VENV)/.deps
+$(VENV)/.deps: Makefile
+	@mkdir -p $(VENV)
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "make deps: installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else \
+	    echo "make deps: these Debian packages are missing:$$missing" >&2; \
+	    echo "make deps: run 'sudo make deps' (or apt-get install them), then try again" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+	@touch $@
+
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+test: deps install
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: deps install
+	@mkdir -p bench-results
+	$(BIN)/python -m bench.tunnel --json bench-results/tunnel.json
+
+demo: deps install
+	$(BIN)/python -m control.demo
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

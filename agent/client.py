@@ -1,0 +1,248 @@
+"""The client the controlplane uses to call one worker's API, over any trio Stream.
+
+One `WorkerClient` per worker connection. It knows nothing of how the connection came to be:
+the controlplane dials the worker (direct mode, TLS with the worker's certificate pinned) or
+accepts the worker's tunnel and runs HTTP/2 inside it with the roles reversed; either way
+it hands a stream to `open_worker_client`. Typed methods return the models of `agent.models`;
+every failure is an `ApiError` with a stable code (UNAVAILABLE when the worker can't be
+reached, so callers can retry elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import h2.errors
+import trio
+
+from agent import models
+from agent.connection import (
+    ConnectionLost,
+    H2ByteStream,
+    H2Stream,
+    Headers,
+    Http2Connection,
+    KeepaliveConfig,
+    StreamError,
+    StreamRefused,
+    header_value,
+)
+from agent.h2websocket import H2WebSocket
+from agent.http2 import Http2Settings
+from agent.models import ApiError, ErrorCode, Health, WorkerInfo
+
+T = TypeVar("T")
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+class WorkerUnavailable(ApiError):
+    """The worker could not be reached or the connection broke; `retryable` says whether the
+    request is known not to have run (safe to send again, e.g. on the next tunnel)."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, message)
+        self.retryable = retryable
+
+
+class Response:
+    """A response whose body is read as it arrives."""
+
+    def __init__(self, client: WorkerClient, stream: H2Stream, headers: Headers) -> None:
+        self._client = client
+        self.stream = stream
+        self.status = int((header_value(headers, b":status") or b"0").decode())
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+
+    async def read(self, limit_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
+        try:
+            return await self.stream.read_all(limit_bytes)
+        except StreamError as exc:
+            raise self._client._unavailable(exc) from None
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        try:
+            while chunk := await self.stream.receive_some():
+                yield chunk
+        except StreamError as exc:
+            raise self._client._unavailable(exc) from None
+
+    async def raise_for_status(self) -> None:
+        if self.status < 400:
+            return
+        body = await self.read(1024 * 1024)
+        raise error_from_body(self.status, body)
+
+    async def aclose(self) -> None:
+        if not self.stream.ended:
+            await self.stream.reset(h2.errors.ErrorCodes.CANCEL)
+        self._client.conn.forget(self.stream)
+
+
+def error_from_body(status: int, body: bytes) -> ApiError:
+    """Rebuild the server's ApiError from its JSON error body."""
+    try:
+        data = json.loads(body)
+        err = models.structure(data, models.ErrorBody)
+        code = ErrorCode[err.code]
+        return ApiError(code, err.message, field=err.field)
+    except (ValueError, KeyError, ApiError):
+        return ApiError(ErrorCode.from_status(status), f"HTTP {status}: {body[:200]!r}")
+
+
+class WorkerClient:
+    """Typed calls to one worker over one HTTP/2 connection."""
+
+    def __init__(self, conn: Http2Connection, *, token: str, authority: str = "worker") -> None:
+        self.conn = conn
+        self._token = token
+        self.authority = authority
+
+    def __repr__(self) -> str:
+        return f"WorkerClient(authority={self.authority!r}, usable={self.conn.usable})"
+
+    def _unavailable(self, exc: BaseException) -> WorkerUnavailable:
+        return WorkerUnavailable(
+            f"worker {self.authority} unreachable: {exc}",
+            retryable=isinstance(exc, StreamRefused),
+        )
+
+    def _base_headers(self, method: str, path: str) -> Headers:
+        return [
+            (b":method", method.encode()),
+            (b":scheme", b"https"),
+            (b":authority", self.authority.encode()),
+            (b":path", path.encode()),
+            (b"authorization", f"Bearer {self._token}".encode()),
+        ]
+
+    async def open(
+        self, method: str, path: str, body: bytes | None = None, *, content_type: str = ""
+    ) -> Response:
+        """Send a request and wait for the response headers; the body is read by the caller."""
+        headers = self._base_headers(method, path)
+        if content_type:
+            headers.append((b"content-type", content_type.encode()))
+        if body is not None:
+            headers.append((b"content-length", str(len(body)).encode()))
+        try:
+            stream = await self.conn.open_stream(headers, end_stream=not body)
+            if body:
+                await stream.send_data(body, end_stream=True)
+            response_headers = await stream.wait_headers()
+        except StreamError as exc:
+            raise self._unavailable(exc) from None
+        return Response(self, stream, response_headers)
+
+    @asynccontextmanager
+    async def stream(
+        self, method: str, path: str, body: bytes | None = None
+    ) -> AsyncIterator[Response]:
+        """A streamed response (logs, downloads); the stream is cancelled if left early."""
+        response = await self.open(method, path, body)
+        try:
+            await response.raise_for_status()
+            yield response
+        finally:
+            with trio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def call(
+        self, method: str, path: str, body: Any = None, response_type: type[T] | None = None
+    ) -> T | None:
+        """A JSON request; returns `response_type` structured, raises ApiError on errors."""
+        payload = models.dumps(body) if body is not None else None
+        response = await self.open(
+            method, path, payload, content_type="application/json" if payload else ""
+        )
+        try:
+            data = await response.read()
+        finally:
+            response.stream._conn.forget(response.stream)
+        if response.status >= 400:
+            raise error_from_body(response.status, data)
+        if response_type is None:
+            return None
+        return models.loads(data, response_type)
+
+    async def health(self) -> Health:
+        result = await self.call("GET", "/v1/health", response_type=Health)
+        assert result is not None
+        return result
+
+    async def worker(self) -> WorkerInfo:
+        result = await self.call("GET", "/v1/worker", response_type=WorkerInfo)
+        assert result is not None
+        return result
+
+    async def connect_tcp(self, host: str, port: int) -> H2ByteStream:
+        """A byte stream to `host:port` on the worker's side (endpoint and box-port traffic)."""
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        headers: Headers = [
+            (b":method", b"CONNECT"),
+            (b":authority", authority.encode()),
+            (b"authorization", f"Bearer {self._token}".encode()),
+        ]
+        return await self._open_tunnel(headers)
+
+    async def open_websocket(self, path: str) -> H2WebSocket:
+        """A WebSocket to a worker route over RFC 8441 extended CONNECT (exec uses it)."""
+        headers: Headers = [
+            (b":method", b"CONNECT"),
+            (b":protocol", b"websocket"),
+            (b":scheme", b"https"),
+            (b":path", path.encode()),
+            (b":authority", self.authority.encode()),
+            (b"authorization", f"Bearer {self._token}".encode()),
+            (b"sec-websocket-version", b"13"),
+        ]
+        return H2WebSocket(await self._open_tunnel(headers), client_side=True)
+
+    async def _open_tunnel(self, headers: Headers) -> H2ByteStream:
+        try:
+            stream = await self.conn.open_stream(headers)
+            response_headers = await stream.wait_headers()
+        except StreamError as exc:
+            raise self._unavailable(exc) from None
+        status = int((header_value(response_headers, b":status") or b"0").decode())
+        if status != 200:
+            try:
+                body = await stream.read_all(1024 * 1024)
+            except StreamError:
+                body = b""
+            self.conn.forget(stream)
+            raise error_from_body(status, body)
+        return H2ByteStream(stream)
+
+    async def ping(self) -> float:
+        try:
+            return await self.conn.ping()
+        except ConnectionLost as exc:
+            raise self._unavailable(exc) from None
+
+    async def aclose(self) -> None:
+        await self.conn.aclose()
+
+
+@asynccontextmanager
+async def open_worker_client(
+    transport: trio.abc.Stream,
+    *,
+    token: str,
+    authority: str = "worker",
+    settings: Http2Settings | None = None,
+    keepalive: KeepaliveConfig | None = None,
+) -> AsyncIterator[WorkerClient]:
+    """Run an HTTP/2 client connection over `transport` for the body of the `async with`."""
+    conn = Http2Connection(
+        transport, client_side=True, settings=settings, keepalive=keepalive, name=authority
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(conn.run)
+        try:
+            yield WorkerClient(conn, token=token, authority=authority)
+        finally:
+            await conn.aclose()
+            nursery.cancel_scope.cancel()

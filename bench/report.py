@@ -1,0 +1,115 @@
+"""What every benchmark prints and writes: a table for people and one JSON report.
+
+The report's shape is DESIGN.md's benchmark interface: ``figures`` (ours), ``anchors`` (the same
+figures for the paths we compare against, measured in the same run), ``ratios`` (ours divided by
+the anchor's) and ``machine``, because a figure means little without the machine it came from.
+Values must be finite numbers: a NaN in a report would read as a result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cgroup_cpu_max() -> str:
+    """The cgroup v2 CPU quota (``max 100000`` means none); a container's cores may be fewer."""
+    try:
+        return Path("/sys/fs/cgroup/cpu.max").read_text(encoding="utf-8").strip()
+    except OSError:
+        return "unknown"
+
+
+def _openssh_version() -> str:
+    try:
+        # `ssh -V` writes its version to stderr.
+        done = subprocess.run(
+            ["ssh", "-V"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "not installed"
+    return (done.stderr or done.stdout).strip() or "unknown"
+
+
+def machine_info() -> dict[str, str | int]:
+    """The facts about this machine that move benchmark figures."""
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count() or 0,
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "cgroup_cpu_max": _cgroup_cpu_max(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "kernel": f"{platform.system()} {platform.release()}",
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "openssh": _openssh_version(),
+    }
+
+
+def render_table(rows: list[tuple[str, ...]], headers: tuple[str, ...]) -> str:
+    """A plain-text table: the first column left-aligned, the others (numbers) right-aligned."""
+    for index, row in enumerate(rows):
+        if len(row) != len(headers):
+            raise ValueError(
+                f"rows[{index}] has {len(row)} cells but there are {len(headers)} headers; "
+                "give every row one cell per header"
+            )
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        first, *rest = cells
+        parts = [first.ljust(widths[0])]
+        parts += [cell.rjust(width) for cell, width in zip(rest, widths[1:], strict=True)]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * width for width in widths)
+    return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+
+
+def _checked(section: str, values: Mapping[str, float]) -> dict[str, float]:
+    for name, value in values.items():
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(
+                f"{section}[{name!r}] is {value!r}, not a finite number; "
+                "leave a figure out rather than report one that was not measured"
+            )
+    return dict(values)
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    *,
+    figures: dict[str, float],
+    ratios: dict[str, float],
+    anchors: dict[str, float],
+) -> None:
+    """Write the JSON report to `path`, replacing it whole (never a half-written file)."""
+    report = {
+        "figures": _checked("figures", figures),
+        "ratios": _checked("ratios", ratios),
+        "anchors": _checked("anchors", anchors),
+        "machine": machine_info(),
+    }
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    partial.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    partial.replace(target)

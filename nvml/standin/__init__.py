@@ -1,0 +1,250 @@
+"""A stand-in libnvidia-ml.so.1 for machines without a GPU, and node descriptions for it.
+
+Why: the agent's GPU code should run in tests exactly as it runs on a GPU node, pynvml included.
+So instead of replacing the facade with a fake, tests replace the driver's library: the C file
+beside this module is compiled with gcc against NVIDIA's own `nvml.h` (from the PyPI package
+`nvidia-nvml-dev`) into a library with the real soname and ABI, and pynvml loads it through its
+normal `CDLL("libnvidia-ml.so.1")`. What the library reports (cards, processes, health, topology)
+comes from a JSON description named by the environment variable `LEVERS9_NVML_STANDIN`, which the
+library reads again at each first `nvmlInit`.
+
+Two ways to put it under pynvml:
+- a new process with `LD_LIBRARY_PATH` naming the library's directory (`standin_environ`), the
+  same lookup as on a node;
+- this process, by loading the library by path first (`load_in_process`): the dynamic loader then
+  answers pynvml's later load by soname with it. The description can change between NVML sessions
+  but the library cannot be swapped for another one afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+ENV_VAR = "LEVERS9_NVML_STANDIN"
+LIBRARY_NAME = "libnvidia-ml.so.1"
+SOURCE = Path(__file__).with_name("libnvidia-ml.c")
+
+_CFLAGS = ("-O2", "-Wall", "-shared", "-fPIC", "-fvisibility=hidden")
+
+
+class StandinError(Exception):
+    """The stand-in library could not be built or loaded; the message says what to install."""
+
+
+def nvml_include_dir() -> Path:
+    """The directory holding NVIDIA's nvml.h, inside the installed `nvidia-nvml-dev` package."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or ()) if spec else []
+    for root in roots:
+        for header in sorted(Path(root).glob("*/include/nvml.h")):
+            return header.parent
+    raise StandinError(
+        "NVIDIA's nvml.h was not found: install the PyPI package nvidia-nvml-dev (it is in "
+        "levers9's test dependencies: pip install -e '.[test]')"
+    )
+
+
+def build_standin(out_dir: Path) -> Path:
+    """Compiles the stand-in into `out_dir` (once per source, header and flags) and returns it.
+
+    The library lands in a directory of its own, named by the hash of what it was built from,
+    so that directory can go on `LD_LIBRARY_PATH` without bringing anything else along.
+    """
+    include = nvml_include_dir()
+    compiler = os.environ.get("CC") or shutil.which("gcc")
+    if not compiler:
+        raise StandinError("gcc was not found: install it (make deps does, on Debian)")
+    flags = (*_CFLAGS, f"-Wl,-soname,{LIBRARY_NAME}", f"-I{include}")
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update((include / "nvml.h").read_bytes())
+    digest.update("\0".join(flags).encode())
+    target_dir = out_dir / f"nvml-standin-{digest.hexdigest()[:16]}"
+    target = target_dir / LIBRARY_NAME
+    if target.exists():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    partial = target_dir / f".{LIBRARY_NAME}.{os.getpid()}"
+    result = subprocess.run(
+        [compiler, *flags, "-o", str(partial), str(SOURCE), "-lpthread"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise StandinError(f"gcc could not build the NVML stand-in:\n{result.stderr}")
+    os.replace(partial, target)  # atomic, so a concurrent build never sees half a library
+    return target
+
+
+def standin_environ(library: Path, description: Path) -> dict[str, str]:
+    """Environment entries that make a new process's pynvml load `library` and describe a node."""
+    search = [str(library.parent)]
+    if os.environ.get("LD_LIBRARY_PATH"):
+        search.append(os.environ["LD_LIBRARY_PATH"])
+    return {"LD_LIBRARY_PATH": os.pathsep.join(search), ENV_VAR: str(description)}
+
+
+def load_in_process(library: Path) -> None:
+    """Makes pynvml in this process use `library` (see the module docstring for the limits)."""
+    pynvml = sys.modules.get("pynvml")
+    loaded = getattr(pynvml, "nvmlLib", None) if pynvml else None
+    if loaded is not None and Path(str(loaded._name)).resolve() != library.resolve():
+        raise StandinError(
+            f"pynvml already loaded {loaded._name} in this process; load the stand-in before "
+            "the first nvmlInit, or run the code in a new process (standin_environ)"
+        )
+    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+
+
+# -- node descriptions ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class StandinProcess:
+    pid: int
+    used_memory_bytes: int = 1 << 30
+
+
+@attrs.frozen
+class StandinDevice:
+    """One card of a described node; defaults are a healthy A100 80GB with nothing running."""
+
+    uuid: str
+    minor: int
+    pci_bus_id: str
+    name: str = "NVIDIA A100-SXM4-80GB"
+    memory_total_bytes: int = 80 << 30
+    memory_used_bytes: int = 0
+    mig_enabled: bool | None = False
+    """None: the card has no MIG mode (NVML answers "not supported")."""
+    mig_devices: tuple[str, ...] = ()
+    processes: tuple[StandinProcess, ...] = ()
+    retired_pages_pending: bool | None = None
+    """None: not supported, as on Ampere and later (they remap rows instead)."""
+    remapped_rows_supported: bool = True
+    remapped_rows_pending: bool = False
+    remapped_rows_failed: bool = False
+    ecc_uncorrected_volatile: int | None = 0
+    xids: tuple[int, ...] = ()
+    """Critical XIDs delivered to whoever registers for them."""
+    errors: Mapping[str, str] = attrs.field(factory=dict, hash=False)
+    """NVML function name (or "*" for all) -> NVML_ERROR_* name it fails with on this card."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "uuid": self.uuid,
+            "name": self.name,
+            "minor": self.minor,
+            "pci_bus_id": self.pci_bus_id,
+            "memory_total": self.memory_total_bytes,
+            "memory_used": self.memory_used_bytes,
+            "mig_mode": None if self.mig_enabled is None else int(self.mig_enabled),
+            "mig_devices": list(self.mig_devices),
+            "processes": [
+                {"pid": p.pid, "used_memory": p.used_memory_bytes} for p in self.processes
+            ],
+            "retired_pages_pending": self.retired_pages_pending,
+            "remapped_rows": {
+                "pending": self.remapped_rows_pending,
+                "failure": self.remapped_rows_failed,
+            }
+            if self.remapped_rows_supported
+            else None,
+            "ecc": None
+            if self.ecc_uncorrected_volatile is None
+            else {"uncorrected_volatile": self.ecc_uncorrected_volatile},
+            "xids": list(self.xids),
+            "errors": dict(self.errors),
+        }
+
+
+def standin_device(index: int, **changes: Any) -> StandinDevice:
+    """Card number `index` of a typical node (UUID, minor and PCI bus id follow from it)."""
+    fields: dict[str, Any] = {
+        "uuid": f"GPU-{index:08x}-7e57-4a11-8c0d-{index:012x}",
+        "minor": index,
+        "pci_bus_id": f"{index // 15:08X}:{0x10 + 0x10 * (index % 15):02X}:00.0",
+    }
+    fields.update(changes)
+    return StandinDevice(**fields)
+
+
+@attrs.frozen
+class StandinNode:
+    """A described node. Topology groups list card indices; a pair in no common group is
+    across CPU sockets."""
+
+    devices: tuple[StandinDevice, ...]
+    driver_version: str = "550.54.15"
+    cuda_driver_version: int = 12040
+    nvlink_groups: tuple[tuple[int, ...], ...] = ()
+    pcie_switches: tuple[tuple[int, ...], ...] = ()
+    host_bridges: tuple[tuple[int, ...], ...] = ()
+    numa_nodes: tuple[tuple[int, ...], ...] = ()
+    init_error: str | None = None
+    """An NVML_ERROR_* name that nvmlInit fails with, e.g. "DRIVER_NOT_LOADED"."""
+
+    def to_json(self) -> dict[str, Any]:
+        description: dict[str, Any] = {
+            "driver_version": self.driver_version,
+            "cuda_driver_version": self.cuda_driver_version,
+            "devices": [device.to_json() for device in self.devices],
+            "topology": {
+                "nvlink_groups": [list(g) for g in self.nvlink_groups],
+                "pcie_switches": [list(g) for g in self.pcie_switches],
+                "host_bridges": [list(g) for g in self.host_bridges],
+                "numa_nodes": [list(g) for g in self.numa_nodes],
+            },
+        }
+        if self.init_error:
+            description["init_error"] = self.init_error
+        return description
+
+
+def write_node(path: Path, node: StandinNode | Mapping[str, Any]) -> Path:
+    """Writes a node description (a `StandinNode`, or the JSON shape as a mapping) to `path`."""
+    description = node.to_json() if isinstance(node, StandinNode) else dict(node)
+    path.write_text(json.dumps(description, indent=1))
+    return path
+
+
+def nvlinked_node(
+    count: int, changes: Mapping[int, Mapping[str, Any]] | None = None
+) -> StandinNode:
+    """`count` A100s all on one NVLink fabric, one host bridge, one socket; `changes` maps a card
+    index to field changes for that card (e.g. `{2: {"xids": (79,)}}`)."""
+    changes = changes or {}
+    everyone = (tuple(range(count)),)
+    return StandinNode(
+        devices=tuple(standin_device(i, **changes.get(i, {})) for i in range(count)),
+        nvlink_groups=everyone,
+        host_bridges=everyone,
+        numa_nodes=everyone,
+    )
+
+
+def eight_card_node(changes: Mapping[int, Mapping[str, Any]] | None = None) -> StandinNode:
+    """8 A100s as in a two-socket server: NVLink groups 0-3 and 4-7, PCIe switches in pairs,
+    one host bridge and socket per group; `changes` as for `nvlinked_node`."""
+    changes = changes or {}
+    return StandinNode(
+        devices=tuple(standin_device(i, **changes.get(i, {})) for i in range(8)),
+        nvlink_groups=((0, 1, 2, 3), (4, 5, 6, 7)),
+        pcie_switches=((0, 1), (2, 3), (4, 5), (6, 7)),
+        host_bridges=((0, 1, 2, 3), (4, 5, 6, 7)),
+        numa_nodes=((0, 1, 2, 3), (4, 5, 6, 7)),
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
 import h2.errors
@@ -50,7 +50,7 @@ class WorkerUnavailable(ApiError):
 class Response:
     """A response whose body is read as it arrives."""
 
-    def __init__(self, client: WorkerClient, stream: H2Stream, headers: Headers) -> None:
+    def __init__(self, client: ApiClient, stream: H2Stream, headers: Headers) -> None:
         self._client = client
         self.stream = stream
         self.status = int((header_value(headers, b":status") or b"0").decode())
@@ -92,8 +92,8 @@ def error_from_body(status: int, body: bytes) -> ApiError:
         return ApiError(ErrorCode.from_status(status), f"HTTP {status}: {body[:200]!r}")
 
 
-class WorkerClient:
-    """Typed calls to one worker over one HTTP/2 connection."""
+class ApiClient:
+    """JSON and streaming calls to one HTTP/2 API (a worker's, or the controlplane's)."""
 
     def __init__(self, conn: Http2Connection, *, token: str, authority: str = "worker") -> None:
         self.conn = conn
@@ -101,7 +101,7 @@ class WorkerClient:
         self.authority = authority
 
     def __repr__(self) -> str:
-        return f"WorkerClient(authority={self.authority!r}, usable={self.conn.usable})"
+        return f"{type(self).__name__}(authority={self.authority!r}, usable={self.conn.usable})"
 
     def _unavailable(self, exc: BaseException) -> WorkerUnavailable:
         return WorkerUnavailable(
@@ -167,6 +167,19 @@ class WorkerClient:
             return None
         return models.loads(data, response_type)
 
+    async def ping(self) -> float:
+        try:
+            return await self.conn.ping()
+        except ConnectionLost as exc:
+            raise self._unavailable(exc) from None
+
+    async def aclose(self) -> None:
+        await self.conn.aclose()
+
+
+class WorkerClient(ApiClient):
+    """Typed calls to one worker's API."""
+
     async def health(self) -> Health:
         result = await self.call("GET", "/v1/health", response_type=Health)
         assert result is not None
@@ -216,25 +229,20 @@ class WorkerClient:
             raise error_from_body(status, body)
         return H2ByteStream(stream)
 
-    async def ping(self) -> float:
-        try:
-            return await self.conn.ping()
-        except ConnectionLost as exc:
-            raise self._unavailable(exc) from None
 
-    async def aclose(self) -> None:
-        await self.conn.aclose()
+C = TypeVar("C", bound=ApiClient)
 
 
 @asynccontextmanager
-async def open_worker_client(
+async def open_api_client(
     transport: trio.abc.Stream,
+    client_class: type[C],
     *,
     token: str,
-    authority: str = "worker",
+    authority: str,
     settings: Http2Settings | None = None,
     keepalive: KeepaliveConfig | None = None,
-) -> AsyncIterator[WorkerClient]:
+) -> AsyncIterator[C]:
     """Run an HTTP/2 client connection over `transport` for the body of the `async with`."""
     conn = Http2Connection(
         transport, client_side=True, settings=settings, keepalive=keepalive, name=authority
@@ -242,7 +250,26 @@ async def open_worker_client(
     async with trio.open_nursery() as nursery:
         await nursery.start(conn.run)
         try:
-            yield WorkerClient(conn, token=token, authority=authority)
+            yield client_class(conn, token=token, authority=authority)
         finally:
             await conn.aclose()
             nursery.cancel_scope.cancel()
+
+
+def open_worker_client(
+    transport: trio.abc.Stream,
+    *,
+    token: str,
+    authority: str = "worker",
+    settings: Http2Settings | None = None,
+    keepalive: KeepaliveConfig | None = None,
+) -> AbstractAsyncContextManager[WorkerClient]:
+    """A `WorkerClient` over `transport` for the body of the `async with`."""
+    return open_api_client(
+        transport,
+        WorkerClient,
+        token=token,
+        authority=authority,
+        settings=settings,
+        keepalive=keepalive,
+    )

@@ -16,10 +16,11 @@ finish while new ones go elsewhere.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -437,18 +438,20 @@ class Http2Connection:
             try:
                 events = self._proto.receive_data(data, trio.current_time())
             except ProtocolViolation as exc:
-                log.warning(
-                    "http2 connection closed: %s", exc, extra={"connection": self.name}
-                )
-                self._mark_closed(str(exc))
+                log.warning("http2 connection closed: %s", exc, extra={"connection": self.name})
+                # Send the GOAWAY first: marking the connection closed cancels its tasks.
                 try:
                     await self._flush()
                 except trio.BrokenResourceError:
                     pass
+                self._mark_closed(str(exc))
                 return
             for event in events:
                 self._dispatch(event)
-            await self._flush()
+            try:
+                await self._flush()
+            except trio.BrokenResourceError:
+                return
             if self._closed:
                 return
 
@@ -640,27 +643,17 @@ class Http2Connection:
                     self._mark_closed(f"transport broke while sending: {exc}")
                     raise ConnectionLost(f"connection lost: {exc}") from exc
 
-    class _H2Errors:
-        def __init__(self, conn: Http2Connection, stream: H2Stream) -> None:
-            self.conn = conn
-            self.stream = stream
-
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-            if exc is None:
-                return False
-            if isinstance(exc, h2.exceptions.StreamClosedError | h2.exceptions.ProtocolError):
-                if self.stream._error is not None:
-                    raise self.stream._error from None
-                if self.conn._closed:
-                    raise ConnectionLost(f"connection lost: {self.conn._close_reason}") from None
-                raise StreamError(f"stream {self.stream.stream_id}: {exc}") from None
-            return False
-
-    def _h2_errors(self, stream: H2Stream) -> Http2Connection._H2Errors:
-        return Http2Connection._H2Errors(self, stream)
+    @contextlib.contextmanager
+    def _h2_errors(self, stream: H2Stream) -> Iterator[None]:
+        """Turn h2's refusal to act on a stream into our errors, with the real cause."""
+        try:
+            yield
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError) as exc:
+            if stream._error is not None:
+                raise stream._error from None
+            if self._closed:
+                raise ConnectionLost(f"connection lost: {self._close_reason}") from None
+            raise StreamError(f"stream {stream.stream_id}: {exc}") from None
 
     # -- client role --
 
@@ -738,7 +731,9 @@ class Http2Connection:
                     config.ping_timeout_s,
                     extra={"connection": self.name},
                 )
-                self._mark_closed(f"peer unresponsive (PING unanswered for {config.ping_timeout_s:g} s)")
+                self._mark_closed(
+                    f"peer unresponsive (PING unanswered for {config.ping_timeout_s:g} s)"
+                )
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     try:
                         await self.transport.aclose()

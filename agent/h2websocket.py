@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import trio
 from wsproto.connection import Connection, ConnectionState, ConnectionType
-from wsproto.events import BytesMessage, CloseConnection, Message, Ping, TextMessage
+from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
 from wsproto.utilities import LocalProtocolError
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -33,7 +33,7 @@ class H2WebSocket:
     def __init__(self, stream: trio.abc.HalfCloseableStream, *, client_side: bool) -> None:
         self._stream = stream
         self._ws = Connection(ConnectionType.CLIENT if client_side else ConnectionType.SERVER)
-        self._parts: list[bytes | str] = []
+        self._parts: list[bytes | bytearray | str] = []
         self._size = 0
         self._pending: list[bytes | str] = []
         self._closed: WebSocketClosed | None = None
@@ -44,7 +44,12 @@ class H2WebSocket:
             raise self._closed
         async with self._send_lock:
             try:
-                data = self._ws.send(Message(data=message))
+                event: BytesMessage | TextMessage = (
+                    BytesMessage(data=message)
+                    if isinstance(message, bytes)
+                    else TextMessage(data=message)
+                )
+                data = self._ws.send(event)
             except LocalProtocolError as exc:
                 raise WebSocketClosed(1006, str(exc)) from None
             await self._stream.send_all(data)
@@ -62,7 +67,7 @@ class H2WebSocket:
             if not data:
                 self._closed = WebSocketClosed(1006, "stream ended without a close frame")
                 raise self._closed
-            self._ws.receive_data(data)
+            self._ws.receive_data(bytes(data))
             await self._process_events()
         return self._pending.pop(0)
 

@@ -85,8 +85,11 @@ def make_converter() -> cattrs.Converter:
 
     def structure_factory(cls: type[Any]) -> Callable[[Any, Any], Any]:
         overrides = {a.name: override(rename=_camel(a.name)) for a in attrs.fields(cls)}
-        return make_dict_structure_fn(  # type: ignore[call-overload, no-any-return]
-            cls, converter, _cattrs_forbid_extra_keys=True, **overrides
+        return make_dict_structure_fn(
+            cls,
+            converter,
+            _cattrs_forbid_extra_keys=True,
+            **overrides,  # type: ignore[arg-type]
         )
 
     converter.register_unstructure_hook_factory(attrs.has, unstructure_factory)

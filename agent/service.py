@@ -43,6 +43,7 @@ class Request:
     params: dict[str, str]
     stream: H2Stream
     authority: str = ""
+    principal: str = ""
 
     async def body(self, limit_bytes: int = MAX_JSON_BODY_BYTES) -> bytes:
         try:
@@ -75,6 +76,29 @@ class StreamResponse:
 
 
 Response = JsonResponse | StreamResponse
+Authenticator = Callable[[dict[str, str]], str | None]
+"""Returns who made the request (a principal name) from its headers, or None to refuse it."""
+
+
+def bearer_auth(token: str, principal: str = "controlplane") -> Authenticator:
+    """Accept exactly `Authorization: Bearer <token>`, compared in constant time."""
+    if not token:
+        raise ValueError("bearer authentication needs a non-empty token")
+    expected = f"Bearer {token}".encode()
+
+    def authenticate(headers: dict[str, str]) -> str | None:
+        given = headers.get("authorization", "").encode("latin-1")
+        return principal if hmac.compare_digest(given, expected) else None
+
+    return authenticate
+
+
+def bearer_token(headers: dict[str, str]) -> str | None:
+    """The token of an `Authorization: Bearer` header, if any."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
 Handler = Callable[[Request], Awaitable[Response | Any]]
 WebSocketHandler = Callable[[Request, H2WebSocket], Awaitable[None]]
 
@@ -202,20 +226,14 @@ class Service:
         self,
         router: Router,
         *,
-        token: str,
+        authenticate: Authenticator,
         connect_policy: ConnectPolicy | None = None,
         name: str = "worker",
     ) -> None:
-        if not token:
-            raise ValueError("the worker API needs a non-empty bearer token")
         self.router = router
-        self._expected = f"Bearer {token}".encode()
-        self.connect_policy = connect_policy or ConnectPolicy()
+        self.authenticate = authenticate
+        self.connect_policy = connect_policy
         self.name = name
-
-    def authorized(self, headers: dict[str, str]) -> bool:
-        given = headers.get("authorization", "").encode("latin-1")
-        return hmac.compare_digest(given, self._expected)
 
     async def __call__(self, stream: H2Stream) -> None:
         started = time.monotonic()
@@ -263,11 +281,14 @@ class Service:
     async def _handle(
         self, stream: H2Stream, headers: dict[str, str], method: str, path: str, query: str
     ) -> int:
-        if not self.authorized(headers):
+        principal = self.authenticate(headers)
+        if principal is None:
             raise ApiError(ErrorCode.UNAUTHENTICATED, "missing or wrong bearer token")
         protocol = headers.get(":protocol")
         if method == "CONNECT" and protocol is None:
-            return await self._connect(stream, headers.get(":authority", ""))
+            if self.connect_policy is None:
+                raise ApiError(ErrorCode.UNIMPLEMENTED, "CONNECT is not served here")
+            return await self._connect(stream, headers.get(":authority", ""), self.connect_policy)
         if method == "CONNECT":
             if protocol != "websocket":
                 raise ApiError(
@@ -276,7 +297,7 @@ class Service:
                     field=":protocol",
                 )
             handler, params = self.router.resolve("WEBSOCKET", path)
-            request = self._request(stream, headers, "WEBSOCKET", path, query, params)
+            request = self._request(stream, headers, "WEBSOCKET", path, query, params, principal)
             await stream.send_headers([(b":status", b"200")])
             ws = H2WebSocket(H2ByteStream(stream), client_side=False)
             try:
@@ -285,10 +306,10 @@ class Service:
                 await ws.aclose()
             return 200
         handler, params = self.router.resolve(method, path)
-        request = self._request(stream, headers, method, path, query, params)
+        request = self._request(stream, headers, method, path, query, params, principal)
         result = await handler(request)
-        response = result if isinstance(result, JsonResponse | StreamResponse) else (
-            JsonResponse(result)
+        response = (
+            result if isinstance(result, JsonResponse | StreamResponse) else (JsonResponse(result))
         )
         await self._respond(stream, response)
         return response.status
@@ -301,6 +322,7 @@ class Service:
         path: str,
         query: str,
         params: dict[str, str],
+        principal: str,
     ) -> Request:
         return Request(
             method=method,
@@ -310,6 +332,7 @@ class Service:
             params=params,
             stream=stream,
             authority=headers.get(":authority", ""),
+            principal=principal,
         )
 
     async def _respond(self, stream: H2Stream, response: Response) -> None:
@@ -335,9 +358,9 @@ class Service:
                 await stream.send_data(chunk)
         await stream.end()
 
-    async def _connect(self, stream: H2Stream, authority: str) -> int:
+    async def _connect(self, stream: H2Stream, authority: str, policy: ConnectPolicy) -> int:
         host, port = parse_authority(authority)
-        self.connect_policy.check(host, port)
+        policy.check(host, port)
         try:
             target = await trio.open_tcp_stream(host, port)
         except OSError as exc:
@@ -367,12 +390,15 @@ async def splice(a: trio.abc.HalfCloseableStream, b: trio.abc.HalfCloseableStrea
 
 
 __all__ = [
+    "Authenticator",
     "ConnectPolicy",
     "JsonResponse",
     "Request",
     "Router",
     "Service",
     "StreamResponse",
+    "bearer_auth",
+    "bearer_token",
     "parse_authority",
     "splice",
 ]

@@ -86,8 +86,18 @@ class WebSocketStream(trio.abc.Stream):
     trio-websocket's bounded queue).
     """
 
-    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
+    def __init__(
+        self,
+        ws: trio_websocket.WebSocketConnection,
+        transport: trio.abc.Stream | None = None,
+        *,
+        close_timeout_s: float = 2.0,
+    ) -> None:
         self._ws = ws
+        # The stream under the WebSocket, closed directly when the closing handshake cannot
+        # finish (its reader task is gone, or the peer does not answer).
+        self._transport = transport
+        self._close_timeout_s = close_timeout_s
         # The message being handed out, and how much of it has been.
         self._pending = b""
         self._offset = 0
@@ -180,7 +190,11 @@ class WebSocketStream(trio.abc.Stream):
             return
         self._closed = True
         self._pending, self._offset = b"", 0
-        await self._ws.aclose(1000)
+        with trio.move_on_after(self._close_timeout_s) as scope:
+            await self._ws.aclose(1000)
+        if scope.cancelled_caught and self._transport is not None:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self._transport)
         # When the peer had already closed, trio-websocket returns without yielding.
         await trio.lowlevel.checkpoint()
 

@@ -129,7 +129,7 @@ def _translate(exc: Exception, function: str, *, starting: bool = False) -> Nvml
 
 def _import_pynvml() -> ModuleType:
     try:
-        import pynvml  # noqa: PLC0415 - imported on use so that the agent starts without it
+        import pynvml
     except ImportError as exc:
         raise NvmlUnavailableError(
             "the Python package nvidia-ml-py (pynvml) is not installed",

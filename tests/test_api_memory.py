@@ -13,7 +13,7 @@ from agent.api import WorkerState, build_router
 from agent.client import WorkerClient, open_worker_client
 from agent.connection import Http2Connection
 from agent.models import ApiError, ErrorCode
-from agent.service import Service
+from agent.service import ConnectPolicy, Service, bearer_auth
 
 TOKEN = "s3cr3t-token"
 
@@ -21,7 +21,11 @@ TOKEN = "s3cr3t-token"
 @pytest.fixture
 async def client(nursery: trio.Nursery) -> AsyncIterator[WorkerClient]:
     server_side, client_side = trio.testing.memory_stream_pair()
-    service = Service(build_router(WorkerState("w-1", "direct")), token=TOKEN)
+    service = Service(
+        build_router(WorkerState("w-1", "direct")),
+        authenticate=bearer_auth(TOKEN),
+        connect_policy=ConnectPolicy(),
+    )
     conn = Http2Connection(server_side, client_side=False, handler=service)
     nursery.start_soon(conn.run)
     async with open_worker_client(client_side, token=TOKEN) as c:
@@ -46,7 +50,11 @@ async def test_unknown_route_is_not_found(client: WorkerClient) -> None:
 
 async def test_wrong_token_is_refused_before_routing(nursery: trio.Nursery) -> None:
     server_side, client_side = trio.testing.memory_stream_pair()
-    service = Service(build_router(WorkerState("w-1", "direct")), token=TOKEN)
+    service = Service(
+        build_router(WorkerState("w-1", "direct")),
+        authenticate=bearer_auth(TOKEN),
+        connect_policy=ConnectPolicy(),
+    )
     conn = Http2Connection(server_side, client_side=False, handler=service)
     nursery.start_soon(conn.run)
     async with open_worker_client(client_side, token="wrong") as c:

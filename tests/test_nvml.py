@@ -194,7 +194,7 @@ def test_driver_not_loaded_is_a_clear_error(describe_node: DescribeNode) -> None
 
 
 def test_the_stand_in_checks_versioned_structs(describe_node: DescribeNode) -> None:
-    import pynvml  # noqa: PLC0415 - the ABI check needs pynvml itself
+    import pynvml
 
     describe_node(nvlinked_node(1))
     with open_nvml():

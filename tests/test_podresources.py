@@ -128,7 +128,7 @@ def test_a_kubelet_without_the_service(kubelet: Serve) -> None:
 
 
 def test_a_socket_nobody_listens_on(short_dir: Path) -> None:
-    import socket as sockets  # noqa: PLC0415
+    import socket as sockets
 
     path = short_dir / "kubelet.sock"
     listener = sockets.socket(sockets.AF_UNIX)

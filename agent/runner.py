@@ -1,0 +1,331 @@
+"""The agent daemon: one worker API service, reached directly or through the tunnel.
+
+`run_agent` builds the service once and then either listens (direct mode: TLS with a key and
+certificate made at start, registered with the controlplane by their fingerprint so it can pin
+them) or keeps ONE outbound tunnel to the controlplane (tunnel mode: a WebSocket over TLS,
+HTTP/2 inside with the controlplane as the client). The service is the same object in both
+modes; only how its connections arrive differs.
+
+Tunnel upkeep lives here too: reconnect with capped, jittered exponential backoff reset after
+a stable period; a maximum tunnel age after which the next tunnel is opened first and the old
+one drained with GOAWAY, so requests in flight finish and new ones take the new tunnel.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import ssl
+
+import trio
+import trio_websocket
+
+from agent import __version__
+from agent.api import WorkerState, build_router
+from agent.backoff import (
+    Backoff,
+    BackoffState,
+    next_delay,
+    record_connected,
+    record_disconnect,
+    record_failure,
+)
+from agent.client import ApiClient, open_api_client
+from agent.config import AgentConfig
+from agent.connection import Http2Connection
+from agent.models import ApiError, Registration
+from agent.service import ConnectPolicy, Service, bearer_auth
+from agent.tls import (
+    CertKey,
+    TLSStream,
+    make_self_signed,
+    server_context,
+    verifying_client_context,
+)
+from agent.wsstream import WebSocketStream, wrap_client
+
+log = logging.getLogger("levers9.agent")
+
+
+class TunnelRejected(Exception):
+    """The controlplane refused the tunnel handshake (wrong token, unknown worker)."""
+
+
+def build_service(config: AgentConfig, state: WorkerState) -> Service:
+    return Service(
+        build_router(state),
+        authenticate=bearer_auth(config.token),
+        connect_policy=ConnectPolicy(),
+        name=f"worker {config.worker_id}",
+    )
+
+
+async def run_agent(
+    config: AgentConfig, *, task_status: trio.TaskStatus[int | None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve until cancelled. `started()` gives the direct listener's port (None in tunnel)."""
+    state = WorkerState(worker_id=config.worker_id, mode=config.mode, node=config.node)
+    service = build_service(config, state)
+    async with trio.open_nursery() as nursery:
+        if config.mode == "direct":
+            cert_key = make_self_signed(f"levers9-worker-{config.worker_id}", _cert_hosts(config))
+            port = await nursery.start(serve_direct, config, service, cert_key)
+            nursery.start_soon(register_loop, config, cert_key.fingerprint, port)
+            log.info(
+                "worker %s serving directly on %s:%d",
+                config.worker_id,
+                config.listen_host,
+                port,
+                extra={"fingerprint": cert_key.fingerprint},
+            )
+            task_status.started(port)
+        else:
+            nursery.start_soon(run_tunnel, config, service)
+            task_status.started(None)
+
+
+def _cert_hosts(config: AgentConfig) -> list[str]:
+    hosts = ["127.0.0.1", "localhost"]
+    for host in (config.advertise_host, config.listen_host):
+        if host and host not in hosts and host not in ("0.0.0.0", "::"):
+            hosts.append(host)
+    return hosts
+
+
+def advertised_address(config: AgentConfig, port: int) -> str:
+    host = config.advertise_host
+    if host is None:
+        host = config.listen_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# -- direct mode --
+
+
+async def serve_direct(
+    config: AgentConfig,
+    service: Service,
+    cert_key: CertKey,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """TLS listener; every accepted connection is one HTTP/2 connection to the service."""
+    context = server_context(cert_key, alpn=("h2",))
+    listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
+    port = int(listeners[0].socket.getsockname()[1])
+
+    async def handle(tcp: trio.SocketStream) -> None:
+        peer = _peer(tcp)
+        tls = TLSStream(tcp, context, server_side=True)
+        try:
+            with trio.fail_after(config.handshake_timeout_s):
+                await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+            log.warning("TLS handshake from %s failed: %s", peer, exc)
+            await tls.aclose()
+            return
+        if tls.selected_alpn_protocol() != "h2":
+            log.warning("connection from %s did not negotiate h2; closing", peer)
+            await tls.aclose()
+            return
+        conn = Http2Connection(
+            tls, client_side=False, settings=config.http2, handler=service, name=peer
+        )
+        await conn.run()
+        if conn.close_reason and "peer closed" not in conn.close_reason:
+            log.info("connection from %s closed: %s", peer, conn.close_reason)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, handle, listeners)
+        task_status.started(port)
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "unknown peer"
+
+
+def _controlplane_context(config: AgentConfig, alpn: tuple[str, ...]) -> ssl.SSLContext:
+    return verifying_client_context(cafile=config.controlplane_ca_file, alpn=alpn)
+
+
+async def open_controlplane_tls(config: AgentConfig, alpn: tuple[str, ...]) -> TLSStream:
+    """A TLS connection to the controlplane, its certificate verified."""
+    tcp = await trio.open_tcp_stream(config.controlplane_host, config.controlplane_port)
+    tls = TLSStream(
+        tcp,
+        _controlplane_context(config, alpn),
+        server_side=False,
+        server_hostname=config.controlplane_host,
+    )
+    try:
+        await tls.do_handshake()
+    except BaseException:
+        await tls.aclose()
+        raise
+    return tls
+
+
+async def register_once(config: AgentConfig, registration: Registration) -> None:
+    with trio.fail_after(config.handshake_timeout_s):
+        tls = await open_controlplane_tls(config, ("h2",))
+        async with open_api_client(
+            tls, ApiClient, token=config.token, authority=config.controlplane_host
+        ) as client:
+            await client.call("POST", f"/v1/workers/{config.worker_id}/register", registration)
+
+
+async def register_loop(config: AgentConfig, fingerprint: str, port: int) -> None:
+    """Tell the controlplane how to reach us, and keep telling it (it may have restarted)."""
+    registration = Registration(
+        worker_id=config.worker_id,
+        version=__version__,
+        mode="direct",
+        address=advertised_address(config, port),
+        fingerprint=fingerprint,
+        node=config.node,
+    )
+    policy = Backoff(cap_s=min(config.tunnel.backoff_cap_s, config.register_interval_s))
+    state = BackoffState()
+    while True:
+        try:
+            await register_once(config, registration)
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError, ApiError) as exc:
+            record_failure(state)
+            delay = next_delay(policy, state, random.random())
+            log.warning(
+                "registering with the controlplane failed (%s); retrying in %.1f s",
+                _reason(exc),
+                delay,
+            )
+            await trio.sleep(delay)
+            continue
+        state.failures = 0
+        await trio.sleep(config.register_interval_s)
+
+
+_TUNNEL_FAILURES = (
+    OSError,
+    trio.BrokenResourceError,
+    trio.TooSlowError,
+    TunnelRejected,
+    trio_websocket.HandshakeError,
+)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, trio_websocket.ConnectionRejected):
+        hint = " (check the worker token)" if exc.status_code in (401, 403) else ""
+        return f"the controlplane refused the tunnel with HTTP {exc.status_code}{hint}"
+    if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY" in str(exc):
+        return f"the controlplane's certificate did not verify: {exc}"
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
+
+
+# -- tunnel mode --
+
+
+async def run_tunnel(config: AgentConfig, service: Service) -> None:
+    """Keep one tunnel up forever: reconnect with backoff, roll it over at its maximum age."""
+    tc = config.tunnel
+    policy = Backoff(
+        initial_s=tc.backoff_initial_s, cap_s=tc.backoff_cap_s, stable_s=tc.backoff_stable_s
+    )
+    state = BackoffState()
+    async with trio.open_nursery() as nursery:
+        while True:
+            failure: str | None = None
+            try:
+                with trio.fail_after(tc.handshake_timeout_s):
+                    conn: Http2Connection = await nursery.start(serve_tunnel, config, service)
+            except* _TUNNEL_FAILURES as group:
+                failure = "; ".join(_reason(e) for e in _leaves(group))
+            if failure is not None:
+                record_failure(state)
+                delay = next_delay(policy, state, random.random())
+                log.warning(
+                    "tunnel to %s failed: %s; retrying in %.1f s",
+                    config.controlplane_url,
+                    failure,
+                    delay,
+                )
+                await trio.sleep(delay)
+                continue
+            record_connected(state, trio.current_time())
+            log.info("tunnel to %s is up", config.controlplane_url)
+            with trio.move_on_after(tc.max_age_s):
+                await conn.wait_closed()
+            if not conn.closed:
+                # Maximum age: the next tunnel opens first, then this one drains.
+                log.info("tunnel reached its maximum age; opening the next and draining this one")
+                nursery.start_soon(_drain, conn, tc.drain_s)
+                continue
+            record_disconnect(policy, state, trio.current_time())
+            delay = next_delay(policy, state, random.random()) if state.failures else 0.0
+            log.warning("tunnel closed (%s); reconnecting in %.1f s", conn.close_reason, delay)
+            await trio.sleep(delay)
+
+
+async def _drain(conn: Http2Connection, drain_s: float) -> None:
+    with trio.move_on_after(drain_s):
+        await conn.drain()
+    await conn.aclose()
+
+
+async def serve_tunnel(
+    config: AgentConfig,
+    service: Service,
+    *,
+    task_status: trio.TaskStatus[Http2Connection] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Dial the controlplane, upgrade to WebSocket, then serve HTTP/2 inside it."""
+    tls = await open_controlplane_tls(config, ("http/1.1",))
+    resource = f"/v1/workers/{config.worker_id}/tunnel"
+    async with trio.open_nursery() as ws_nursery:
+        try:
+            ws = await wrap_client(
+                ws_nursery,
+                tls,
+                config.controlplane_host,
+                resource,
+                headers=[
+                    (b"authorization", f"Bearer {config.token}".encode()),
+                    (b"x-levers9-version", __version__.encode()),
+                ],
+            )
+        except trio_websocket.ConnectionRejected as exc:
+            await tls.aclose()
+            raise TunnelRejected(
+                f"the controlplane refused the tunnel with HTTP {exc.status_code}"
+                + (" (check the worker token)" if exc.status_code in (401, 403) else "")
+            ) from None
+        except trio_websocket.HandshakeError as exc:
+            await tls.aclose()
+            raise trio.BrokenResourceError(f"tunnel handshake failed: {exc}") from None
+        conn = Http2Connection(
+            WebSocketStream(ws, tls),
+            client_side=False,
+            settings=config.http2,
+            keepalive=config.keepalive,
+            handler=service,
+            name=f"tunnel {config.worker_id}",
+        )
+        await ws_nursery.start(conn.run)
+        task_status.started(conn)
+        await conn.wait_closed()
+        ws_nursery.cancel_scope.cancel()

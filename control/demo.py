@@ -1,0 +1,162 @@
+"""`make demo`: a controlplane and two workers on loopback, one reached directly, one through
+its tunnel, each answering a request and carrying a byte stream.
+
+Everything is real and local: the controlplane's public endpoint with a certificate made for
+the demo, two `levers9-agent run` processes configured the way a worker Job configures them
+(environment only), the `levers9` CLI as a user runs it, and a TCP service on the workers'
+side that the controlplane reaches through each worker's CONNECT stream. The demo stops all
+it started, also when it fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from agent.tls import make_self_signed
+from control.config import parse
+from control.server import Controlplane, serve_controlplane
+
+WORKERS = {"w-direct": "direct", "w-tunnel": "tunnel"}
+STREAM_BYTES = 64 * 1024 * 1024
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+async def _hash_service(nursery: trio.Nursery) -> int:
+    """The workers' side service: answers the SHA-256 of everything it is sent."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+
+    async def handle(stream: trio.SocketStream) -> None:
+        digest = hashlib.sha256()
+        async with stream:
+            while data := await stream.receive_some(1 << 20):
+                digest.update(data)
+            await stream.send_all(digest.hexdigest().encode())
+
+    await nursery.start(trio.serve_listeners, handle, listeners)
+    return int(listeners[0].socket.getsockname()[1])
+
+
+async def run_demo(workdir: Path) -> None:
+    cert = make_self_signed("levers9-demo-controlplane", ["127.0.0.1", "localhost"])
+    ca_file = workdir / "controlplane.pem"
+    key_file = workdir / "controlplane-key.pem"
+    ca_file.write_bytes(cert.cert_pem)
+    key_file.touch(mode=0o600)
+    key_file.write_bytes(cert.key_pem)
+    tokens = {wid: os.urandom(16).hex() for wid in WORKERS}
+    api_token = os.urandom(16).hex()
+    config = parse(
+        {
+            "config": {
+                "publicUrl": "https://127.0.0.1:0",
+                "listen": "127.0.0.1:0",
+                "tls": {"certFile": str(ca_file), "keyFile": str(key_file)},
+                "apiTokens": [{"name": "demo", "token": api_token}],
+                "worker": {"tokens": [{"workerId": k, "token": v} for k, v in tokens.items()]},
+            }
+        }
+    )
+    agents: list[trio.Process] = []
+    async with trio.open_nursery() as nursery:
+        control: Controlplane = await nursery.start(serve_controlplane, config)
+        url = f"https://127.0.0.1:{control.port}"
+        _say(f"controlplane   {url} (certificate made for this demo)")
+        try:
+            for worker_id, mode in WORKERS.items():
+                env = dict(os.environ)
+                env.update(
+                    LEVERS9_WORKER_ID=worker_id,
+                    LEVERS9_WORKER_TOKEN=tokens[worker_id],
+                    LEVERS9_MODE=mode,
+                    LEVERS9_CONTROLPLANE_URL=url,
+                    LEVERS9_CONTROLPLANE_CA=str(ca_file),
+                    LEVERS9_LISTEN="127.0.0.1:0",
+                    LEVERS9_ADVERTISE_HOST="127.0.0.1",
+                    LEVERS9_LOG_LEVEL="WARNING",
+                )
+                agents.append(
+                    await trio.lowlevel.open_process(
+                        [sys.executable, "-m", "agent.cli", "run"], env=env
+                    )
+                )
+                _say(f"worker         {worker_id}: levers9-agent run, {mode} mode")
+            service_port = await _hash_service(nursery)
+            for worker_id, mode in WORKERS.items():
+                with trio.fail_after(20):
+                    client = await control.registry.client_for(worker_id)
+                    health = await client.health()
+                    info = await client.worker()
+                _say(
+                    f"\n[{mode}] GET /v1/health -> {health.status}; GET /v1/worker -> "
+                    f"{info.worker_id} v{info.version}, up {info.uptime_s:.1f} s"
+                )
+                block = os.urandom(1 << 20)
+                expected = hashlib.sha256()
+                started = time.perf_counter()
+                with trio.fail_after(60):
+                    stream = await client.connect_tcp("127.0.0.1", service_port)
+                    for _ in range(STREAM_BYTES // len(block)):
+                        await stream.send_all(block)
+                        expected.update(block)
+                    await stream.send_eof()
+                    answer = b""
+                    while data := await stream.receive_some():
+                        answer += data
+                    await stream.aclose()
+                elapsed = time.perf_counter() - started
+                verdict = "matches" if answer.decode() == expected.hexdigest() else "DIFFERS"
+                _say(
+                    f"[{mode}] CONNECT 127.0.0.1:{service_port} on the worker: "
+                    f"{STREAM_BYTES >> 20} MiB in {elapsed:.2f} s "
+                    f"({STREAM_BYTES / elapsed / 1e6:.0f} MB/s), SHA-256 {verdict}"
+                )
+                if verdict != "matches":
+                    raise SystemExit("the byte stream arrived changed")
+            _say("\n$ levers9 worker list")
+            cli_env = dict(
+                os.environ,
+                LEVERS9_CONTROLPLANE=url,
+                LEVERS9_TOKEN=api_token,
+                LEVERS9_CA=str(ca_file),
+            )
+            result = await trio.run_process(
+                [sys.executable, "-m", "control.cli", "worker", "list"],
+                env=cli_env,
+                capture_stdout=True,
+                check=False,
+            )
+            _say(result.stdout.decode().rstrip())
+            if result.returncode != 0:
+                raise SystemExit("levers9 worker list failed")
+            _say("\ndemo finished: both workers answered and carried a byte stream")
+        finally:
+            with trio.CancelScope(shield=True):
+                for process in agents:
+                    process.terminate()
+                for process in agents:
+                    with trio.move_on_after(5) as scope:
+                        await process.wait()
+                    if scope.cancelled_caught:
+                        process.kill()
+                        await process.wait()
+            nursery.cancel_scope.cancel()
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="levers9-demo-") as workdir:
+        trio.run(run_demo, Path(workdir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""The worker registry: "the client for worker X", whichever way X is reached.
+
+A direct worker registers its address and certificate fingerprint; the registry dials it
+(TLS, certificate pinned to that fingerprint) when first asked and keeps the connection. A
+tunnel worker dials us; the acceptor hands its connection here. Callers ask `client_for(id)`
+and get a `WorkerClient` either way, waiting (under their own deadline) for a tunnel that is
+reconnecting. When a tunnel is replaced (maximum age, reconnect), new requests take the new
+one while the old one drains.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Mapping
+
+import attrs
+import trio
+
+from agent.client import WorkerClient
+from agent.connection import Http2Connection, KeepaliveConfig
+from agent.http2 import Http2Settings
+from agent.models import ApiError, ErrorCode, Registration, WorkerSummary
+from agent.tls import PinMismatchError, TLSStream, pinned_client_context
+
+log = logging.getLogger("levers9.registry")
+
+
+@attrs.define
+class WorkerEntry:
+    worker_id: str
+    token: str = attrs.field(repr=False)
+    mode: str | None = None
+    version: str | None = None
+    address: str | None = None
+    fingerprint: str | None = None
+    node: str | None = None
+    registered_at: float | None = None
+    tunnel: WorkerClient | None = None
+    direct: WorkerClient | None = None
+
+    def connected(self) -> bool:
+        for client in (self.tunnel, self.direct):
+            if client is not None and client.conn.usable:
+                return True
+        return False
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        tokens: Mapping[str, str],
+        nursery: trio.Nursery,
+        *,
+        settings: Http2Settings | None = None,
+        keepalive: KeepaliveConfig | None = None,
+    ) -> None:
+        self._entries = {wid: WorkerEntry(wid, token) for wid, token in tokens.items()}
+        self._nursery = nursery
+        self._settings = settings
+        self._keepalive = keepalive
+        self._changed = trio.lowlevel.ParkingLot()
+        self._dial_locks: dict[str, trio.Lock] = {}
+
+    # -- who is who --
+
+    def authenticate_worker(self, presented: str) -> str | None:
+        """The worker id whose token this is, or None. Constant-time per comparison."""
+        found = None
+        for entry in self._entries.values():
+            if hmac.compare_digest(entry.token.encode(), presented.encode()):
+                found = entry.worker_id
+        return found
+
+    def check_token(self, worker_id: str, presented: str) -> bool:
+        entry = self._entries.get(worker_id)
+        expected = entry.token if entry is not None else "\0" * 32
+        return hmac.compare_digest(expected.encode(), presented.encode()) and entry is not None
+
+    def _entry(self, worker_id: str) -> WorkerEntry:
+        entry = self._entries.get(worker_id)
+        if entry is None:
+            raise ApiError(ErrorCode.NOT_FOUND, f"no worker {worker_id!r} is known")
+        return entry
+
+    # -- direct mode --
+
+    def register(self, registration: Registration) -> None:
+        entry = self._entry(registration.worker_id)
+        if registration.mode == "direct":
+            if not registration.address or not registration.fingerprint:
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    "a direct worker must register its address and certificate fingerprint",
+                    field="address" if not registration.address else "fingerprint",
+                )
+            if entry.fingerprint not in (None, registration.fingerprint) or (
+                entry.address not in (None, registration.address)
+            ):
+                # A new worker process (new key) or a new address: forget the old connection.
+                self._drop_direct(entry)
+        entry.mode = registration.mode
+        entry.version = registration.version
+        entry.address = registration.address
+        entry.fingerprint = registration.fingerprint
+        entry.node = registration.node
+        entry.registered_at = time.time()
+        self._changed.unpark_all()
+
+    def _drop_direct(self, entry: WorkerEntry) -> None:
+        if entry.direct is not None:
+            old = entry.direct
+            entry.direct = None
+            self._nursery.start_soon(old.aclose)
+
+    async def _dial_direct(self, entry: WorkerEntry) -> WorkerClient:
+        assert entry.address is not None and entry.fingerprint is not None
+        host, _, port = entry.address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            tcp = await trio.open_tcp_stream(host, int(port))
+        except OSError as exc:
+            raise ApiError(
+                ErrorCode.UNAVAILABLE,
+                f"worker {entry.worker_id} at {entry.address} is unreachable: {exc.strerror}",
+            ) from None
+        tls = TLSStream(
+            tcp,
+            pinned_client_context(alpn=("h2",)),
+            server_side=False,
+            expected_fingerprint=entry.fingerprint,
+        )
+        try:
+            await tls.do_handshake()
+        except PinMismatchError:
+            await tls.aclose()
+            raise ApiError(
+                ErrorCode.UNAVAILABLE,
+                f"worker {entry.worker_id} at {entry.address} presented a certificate that is "
+                "not the one it registered; refusing to talk to it",
+            ) from None
+        except trio.BrokenResourceError as exc:
+            await tls.aclose()
+            raise ApiError(
+                ErrorCode.UNAVAILABLE,
+                f"TLS with worker {entry.worker_id} at {entry.address} failed: {exc}",
+            ) from None
+        conn = Http2Connection(
+            tls,
+            client_side=True,
+            settings=self._settings,
+            keepalive=self._keepalive,
+            name=entry.worker_id,
+        )
+        await self._nursery.start(conn.run)
+        return WorkerClient(conn, token=entry.token, authority=entry.worker_id)
+
+    # -- tunnel mode --
+
+    def attach_tunnel(
+        self, worker_id: str, client: WorkerClient, *, version: str | None = None
+    ) -> None:
+        entry = self._entry(worker_id)
+        old = entry.tunnel
+        entry.tunnel = client
+        entry.mode = "tunnel"
+        entry.version = version or entry.version
+        entry.registered_at = time.time()
+        if old is not None and old is not client and not old.conn.closed:
+            # The agent drains the old tunnel itself (GOAWAY); we just stop using it.
+            log.info("worker %s opened a new tunnel; the old one drains", worker_id)
+        self._changed.unpark_all()
+
+    def detach_tunnel(self, worker_id: str, client: WorkerClient) -> None:
+        entry = self._entries.get(worker_id)
+        if entry is not None and entry.tunnel is client:
+            entry.tunnel = None
+            self._changed.unpark_all()
+
+    # -- callers --
+
+    async def client_for(self, worker_id: str) -> WorkerClient:
+        """A usable client for the worker; waits for it to (re)connect under the caller's
+        deadline (wrap the call in trio.fail_after)."""
+        entry = self._entry(worker_id)
+        while True:
+            if entry.tunnel is not None and entry.tunnel.conn.usable:
+                return entry.tunnel
+            if entry.mode == "direct" and entry.address and entry.fingerprint:
+                lock = self._dial_locks.setdefault(worker_id, trio.Lock())
+                async with lock:
+                    if entry.direct is None or not entry.direct.conn.usable:
+                        entry.direct = await self._dial_direct(entry)
+                    return entry.direct
+            await self._changed.park()
+
+    def list(self) -> list[WorkerSummary]:
+        return [
+            WorkerSummary(
+                worker_id=e.worker_id,
+                mode=e.mode or "unknown",
+                connected=e.connected() or (e.mode == "direct" and e.registered_at is not None),
+                version=e.version,
+                address=e.address,
+                node=e.node,
+                registered_at=e.registered_at,
+            )
+            for e in sorted(self._entries.values(), key=lambda e: e.worker_id)
+        ]
+
+    async def aclose(self) -> None:
+        for entry in self._entries.values():
+            for client in (entry.direct, entry.tunnel):
+                if client is not None:
+                    await client.aclose()

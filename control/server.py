@@ -1,0 +1,205 @@
+"""The controlplane's public endpoint: one TLS listener, two protocols chosen by ALPN.
+
+- `h2`: the controlplane API (CLI, scripts, workers registering), served by the same
+  `agent.service.Service` machinery the worker uses, with the controlplane's own routes.
+- `http/1.1`: a worker's tunnel. The WebSocket upgrade to `/v1/workers/<id>/tunnel` is
+  authenticated with that worker's token BEFORE it is accepted (401 otherwise, and no HTTP/2
+  is ever spoken); then HTTP/2 runs inside the WebSocket with the controlplane as the client,
+  and the registry hands that client out for the worker.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import ssl
+
+import attrs
+import trio
+import trio_websocket
+
+from agent.client import WorkerClient
+from agent.connection import Http2Connection, KeepaliveConfig
+from agent.models import ApiError, ErrorCode, Registration, WorkerInfo, WorkerSummary
+from agent.service import Request, Router, Service, bearer_token
+from agent.tls import TLSStream
+from agent.wsstream import WebSocketStream, wrap_server
+from control.config import ControlConfig
+from control.registry import WorkerRegistry
+
+log = logging.getLogger("levers9.control")
+
+WORKER_CALL_TIMEOUT_S = 30.0
+
+
+@attrs.frozen
+class WorkerList:
+    workers: tuple[WorkerSummary, ...]
+
+
+def server_ssl_context(config: ControlConfig) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(config.tls.cert_file, config.tls.key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ApiError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"cannot load config.tls.certFile/keyFile ({config.tls.cert_file}): {exc}",
+        ) from None
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    return context
+
+
+class Controlplane:
+    def __init__(self, config: ControlConfig, registry: WorkerRegistry) -> None:
+        self.config = config
+        self.registry = registry
+        self._api_tokens = {t.token: t.name for t in config.api_tokens}
+        self.service = Service(self._router(), authenticate=self._authenticate, name="control")
+        self.port = 0
+        self.keepalive = KeepaliveConfig(
+            ping_interval_s=config.tunnel.ping_interval_s,
+            ping_timeout_s=config.tunnel.ping_timeout_s,
+        )
+
+    def _authenticate(self, headers: dict[str, str]) -> str | None:
+        token = bearer_token(headers)
+        if token is None:
+            return None
+        api = None
+        for known, name in self._api_tokens.items():
+            if hmac.compare_digest(known.encode(), token.encode()):
+                api = name
+        if api is not None:
+            return f"api:{api}"
+        worker = self.registry.authenticate_worker(token)
+        return f"worker:{worker}" if worker is not None else None
+
+    def _router(self) -> Router:
+        router = Router()
+
+        def require_api(request: Request) -> None:
+            if not request.principal.startswith("api:"):
+                raise ApiError(ErrorCode.PERMISSION_DENIED, "this call needs an API token")
+
+        async def register(request: Request) -> WorkerSummary:
+            worker_id = request.params["worker_id"]
+            if request.principal != f"worker:{worker_id}":
+                raise ApiError(
+                    ErrorCode.PERMISSION_DENIED, f"this token may not register worker {worker_id}"
+                )
+            registration = await request.json(Registration)
+            if registration.worker_id != worker_id:
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"workerId {registration.worker_id!r} does not match the path's {worker_id!r}",
+                    field="workerId",
+                )
+            self.registry.register(registration)
+            return next(w for w in self.registry.list() if w.worker_id == worker_id)
+
+        async def list_workers(request: Request) -> WorkerList:
+            require_api(request)
+            return WorkerList(tuple(self.registry.list()))
+
+        async def get_worker(request: Request) -> WorkerInfo:
+            require_api(request)
+            worker_id = request.params["worker_id"]
+            with trio.move_on_after(WORKER_CALL_TIMEOUT_S) as scope:
+                client = await self.registry.client_for(worker_id)
+                return await client.worker()
+            assert scope.cancelled_caught
+            raise ApiError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"worker {worker_id} did not answer within {WORKER_CALL_TIMEOUT_S:g} s",
+            )
+
+        router.add("POST", "/v1/workers/{worker_id}/register", register)
+        router.add("GET", "/v1/workers", list_workers)
+        router.add("GET", "/v1/workers/{worker_id}", get_worker)
+        return router
+
+    async def handle_connection(self, tcp: trio.SocketStream, context: ssl.SSLContext) -> None:
+        tls = TLSStream(tcp, context, server_side=True)
+        try:
+            with trio.fail_after(self.config.tunnel.handshake_timeout_s):
+                await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+            log.info("TLS handshake failed: %s", exc)
+            await tls.aclose()
+            return
+        if tls.selected_alpn_protocol() == "h2":
+            conn = Http2Connection(tls, client_side=False, handler=self.service, name="api")
+            await conn.run()
+            return
+        await self._accept_tunnel(tls)
+
+    async def _accept_tunnel(self, tls: TLSStream) -> None:
+        async with trio.open_nursery() as nursery:
+            try:
+                with trio.fail_after(self.config.tunnel.handshake_timeout_s):
+                    request = await wrap_server(nursery, tls)
+            except (trio.BrokenResourceError, trio.TooSlowError, trio_websocket.HandshakeError):
+                nursery.cancel_scope.cancel()
+                await tls.aclose()
+                return
+            parts = request.path.split("?")[0].strip("/").split("/")
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+            token = bearer_token(headers)
+            if len(parts) != 4 or parts[:2] != ["v1", "workers"] or parts[3] != "tunnel":
+                await request.reject(404, body=b"no such endpoint\n")
+                nursery.cancel_scope.cancel()
+                return
+            worker_id = parts[2]
+            if token is None or not self.registry.check_token(worker_id, token):
+                log.warning("tunnel for worker %s refused: wrong or missing token", worker_id)
+                await request.reject(401, body=b"wrong or missing worker token\n")
+                nursery.cancel_scope.cancel()
+                return
+            ws = await request.accept()
+            conn = Http2Connection(
+                WebSocketStream(ws, tls),
+                client_side=True,
+                keepalive=self.keepalive,
+                name=f"tunnel {worker_id}",
+            )
+            await nursery.start(conn.run)
+            client = WorkerClient(conn, token=token, authority=worker_id)
+            self.registry.attach_tunnel(worker_id, client, version=headers.get("x-levers9-version"))
+            log.info("worker %s connected through its tunnel", worker_id)
+            try:
+                await conn.wait_closed()
+            finally:
+                self.registry.detach_tunnel(worker_id, client)
+                log.info("tunnel of worker %s closed: %s", worker_id, conn.close_reason)
+                nursery.cancel_scope.cancel()
+
+
+async def serve_controlplane(
+    config: ControlConfig,
+    *,
+    task_status: trio.TaskStatus[Controlplane] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the public endpoint until cancelled; `started()` gives the `Controlplane`."""
+    context = server_ssl_context(config)
+    async with trio.open_nursery() as nursery:
+        registry = WorkerRegistry(
+            {t.worker_id: t.token for t in config.worker.tokens},
+            nursery,
+            keepalive=KeepaliveConfig(
+                ping_interval_s=config.tunnel.ping_interval_s,
+                ping_timeout_s=config.tunnel.ping_timeout_s,
+            ),
+        )
+        control = Controlplane(config, registry)
+        listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
+        port = int(listeners[0].socket.getsockname()[1])
+        control.port = port
+
+        async def handle(tcp: trio.SocketStream) -> None:
+            await control.handle_connection(tcp, context)
+
+        await nursery.start(trio.serve_listeners, handle, listeners)
+        log.info("controlplane listening on %s:%d", config.listen_host, port)
+        task_status.started(control)

@@ -1,0 +1,572 @@
+"""The sans-IO HTTP/2 core: two `Http2Protocol`s wired together, no trio, no sockets.
+
+Bytes move between the two ends through `Wire`, which cuts every flight at points hypothesis
+chooses, so frame headers, HPACK blocks and DATA payloads arrive split anywhere. Attacks and
+malformed input are written frame by frame with hyperframe, as a hostile peer would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from collections.abc import Sequence
+
+import h2.errors
+import h2.events
+import h2.settings
+import hpack
+import pytest
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.http2 import Http2Protocol, Http2Settings, ProtocolViolation
+
+ErrorCodes = h2.errors.ErrorCodes
+MiB = 1024 * 1024
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+REQUEST = [
+    (b":method", b"POST"),
+    (b":scheme", b"https"),
+    (b":authority", b"worker"),
+    (b":path", b"/v1/upload"),
+]
+RESPONSE = [(b":status", b"200")]
+
+# Small windows and frames make a body of a few hundred kB cross many window updates and
+# frame boundaries, which is what the random cuts are for.
+SMALL = Http2Settings(
+    stream_window_bytes=100_000, connection_window_bytes=150_000, max_frame_bytes=16_384
+)
+
+# Each flight of bytes is cut at these offsets (taken modulo its length), so a flight arrives
+# in at most nine pieces: cheap, yet any boundary can fall anywhere.
+CUTS = st.lists(st.integers(min_value=0, max_value=2**20), max_size=8)
+
+
+class Wire:
+    """Carries bytes both ways between a client and a server, cut at `cuts`."""
+
+    def __init__(
+        self, client: Http2Protocol, server: Http2Protocol, cuts: Sequence[int] = ()
+    ) -> None:
+        self.client = client
+        self.server = server
+        self.cuts = cuts
+        self.now = 0.0
+        self.moved = 0
+
+    def _pieces(self, data: bytes) -> list[bytes]:
+        points = sorted({0, len(data), *(c % (len(data) + 1) for c in self.cuts)})
+        return [data[a:b] for a, b in itertools.pairwise(points)]
+
+    def _deliver(self, data: bytes, to: Http2Protocol) -> list[h2.events.Event]:
+        events: list[h2.events.Event] = []
+        for piece in self._pieces(data):
+            events += to.receive_data(piece, self.now)
+        return events
+
+    def exchange(self) -> tuple[list[h2.events.Event], list[h2.events.Event]]:
+        """One flight each way; returns (events at the client, events at the server)."""
+        to_server = self.client.data_to_send()
+        to_client = self.server.data_to_send()
+        self.moved = len(to_server) + len(to_client)
+        return self._deliver(to_client, self.client), self._deliver(to_server, self.server)
+
+    def pump(self) -> tuple[list[h2.events.Event], list[h2.events.Event]]:
+        """Exchange until both ends are quiet; returns all events at each end."""
+        at_client: list[h2.events.Event] = []
+        at_server: list[h2.events.Event] = []
+        while True:
+            c, s = self.exchange()
+            at_client += c
+            at_server += s
+            if not self.moved:
+                return at_client, at_server
+
+
+def connected(
+    server_settings: Http2Settings | None = None,
+    client_settings: Http2Settings | None = None,
+    cuts: Sequence[int] = (),
+) -> Wire:
+    client = Http2Protocol(client_side=True, settings=client_settings)
+    server = Http2Protocol(client_side=False, settings=server_settings)
+    client.initiate()
+    server.initiate()
+    wire = Wire(client, server, cuts)
+    wire.pump()
+    return wire
+
+
+def parse_frames(data: bytes) -> list[Frame]:
+    """Every frame in `data` (which must hold whole frames only)."""
+    frames = []
+    view = memoryview(data)
+    while view:
+        frame, length = Frame.parse_frame_header(view[:9])
+        frame.parse_body(view[9 : 9 + length])
+        frames.append(frame)
+        view = view[9 + length :]
+    return frames
+
+
+def goaway_in(data: bytes) -> GoAwayFrame:
+    goaways = [f for f in parse_frames(data) if isinstance(f, GoAwayFrame)]
+    assert len(goaways) == 1, f"expected one GOAWAY, got {parse_frames(data)}"
+    return goaways[0]
+
+
+def payload(size: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def send_what_fits(proto: Http2Protocol, stream_id: int, pending: bytearray) -> None:
+    """Send as much of `pending` as the windows allow, ending the stream with the last byte."""
+    while pending:
+        window = proto.send_window(stream_id)
+        if window <= 0:
+            return
+        size = min(window, len(pending), proto.max_outbound_frame_bytes)
+        chunk = bytes(pending[:size])
+        del pending[:size]
+        proto.h2.send_data(stream_id, chunk, end_stream=not pending)
+
+
+# -- settings --
+
+
+def test_settings_announced_for_bulk_transfer() -> None:
+    wire = connected()
+    for me, peer in ((wire.client, wire.server), (wire.server, wire.client)):
+        announced = me.h2.remote_settings
+        assert announced.initial_window_size >= 4 * MiB
+        assert announced.max_frame_size == 1 * MiB
+        assert announced.max_concurrent_streams == Http2Settings().max_concurrent_streams
+        assert announced.max_header_list_size == Http2Settings().max_header_list_bytes
+        # The connection window is opened beyond the RFC's 64 KiB with a WINDOW_UPDATE.
+        assert me.open_window() >= 16 * MiB
+        assert me.open_window() == peer.settings.connection_window_bytes
+    # RFC 8441: only the server announces extended CONNECT (WebSocket over HTTP/2).
+    assert wire.client.h2.remote_settings.enable_connect_protocol == 1
+    assert wire.server.h2.remote_settings.enable_connect_protocol == 0
+
+
+def test_settings_reject_values_outside_the_protocol() -> None:
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        Http2Settings(max_frame_bytes=1000)
+    with pytest.raises(ValueError, match="stream_window_bytes"):
+        Http2Settings(stream_window_bytes=2**31)
+    with pytest.raises(ValueError, match="max_concurrent_streams"):
+        Http2Settings(max_concurrent_streams=0)
+
+
+# -- a request and a response larger than the windows --
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cuts=CUTS,
+    request_size=st.integers(SMALL.stream_window_bytes + 1, 4 * SMALL.stream_window_bytes),
+    response_size=st.integers(SMALL.stream_window_bytes + 1, 4 * SMALL.stream_window_bytes),
+    read_bytes=st.integers(1_000, 120_000),
+    seed=st.integers(0, 2**32),
+)
+def test_bodies_larger_than_the_window_arrive_intact(
+    cuts: list[int], request_size: int, response_size: int, read_bytes: int, seed: int
+) -> None:
+    wire = connected(SMALL, SMALL, cuts)
+    client, server = wire.client, wire.server
+    request = payload(request_size, seed)
+    response = payload(response_size, seed + 1)
+
+    sid = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(sid, REQUEST)
+    to_server = bytearray(request)
+    to_client = bytearray()
+    # What each end has received but its consumer has not read yet, and what it has read.
+    unread = {client: bytearray(), server: bytearray()}
+    read = {client: bytearray(), server: bytearray()}
+    ended = {client: False, server: False}
+    responding = False
+
+    for _ in range(10_000):
+        send_what_fits(client, sid, to_server)
+        if responding:
+            send_what_fits(server, sid, to_client)
+        at_client, at_server = wire.exchange()
+        for me, events in ((client, at_client), (server, at_server)):
+            for event in events:
+                if isinstance(event, h2.events.DataReceived):
+                    assert event.stream_id == sid
+                    unread[me] += event.data or b""
+                    # Bounded buffering: never more unread than the window we advertised.
+                    assert len(unread[me]) <= SMALL.stream_window_bytes
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended[me] = True
+            # The consumer reads a little at a time and only what it read is acknowledged.
+            piece = bytes(unread[me][:read_bytes])
+            del unread[me][: len(piece)]
+            read[me] += piece
+            me.acknowledge(sid, len(piece))
+        if ended[server] and not unread[server] and not responding:
+            assert bytes(read[server]) == request
+            server.h2.send_headers(sid, RESPONSE)
+            to_client = bytearray(response)
+            responding = True
+        if ended[client] and not unread[client]:
+            break
+    else:
+        pytest.fail("the transfer stalled")
+
+    assert hashlib.sha256(read[client]).digest() == hashlib.sha256(response).digest()
+    assert len(read[client]) == response_size
+
+
+@settings(max_examples=20, deadline=None)
+@given(cuts=CUTS)
+def test_unread_data_stops_at_the_advertised_stream_window(cuts: list[int]) -> None:
+    wire = connected(cuts=cuts)
+    client, server = wire.client, wire.server
+    window = Http2Settings().stream_window_bytes
+    sid = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(sid, REQUEST)
+    pending = bytearray(3 * window)
+
+    received = 0
+    for _ in range(3):
+        send_what_fits(client, sid, pending)
+        _, at_server = wire.pump()
+        received += sum(
+            len(e.data or b"") for e in at_server if isinstance(e, h2.events.DataReceived)
+        )
+    # The server never read anything: the client stopped at exactly the advertised window.
+    assert received == window
+    assert client.send_window(sid) == 0
+    assert len(pending) == 2 * window
+
+    # Reading (and so acknowledging) half of it lets the sender go on, by that much.
+    server.acknowledge(sid, window // 2)
+    wire.pump()
+    assert client.send_window(sid) == window // 2
+    send_what_fits(client, sid, pending)
+    _, at_server = wire.pump()
+    more = sum(len(e.data or b"") for e in at_server if isinstance(e, h2.events.DataReceived))
+    assert more == window // 2
+
+
+def test_unread_data_on_many_streams_stops_at_the_connection_window() -> None:
+    wire = connected()
+    client = wire.client
+    connection_window = Http2Settings().connection_window_bytes
+    stream_window = Http2Settings().stream_window_bytes
+    streams = connection_window // stream_window + 2
+    pending: dict[int, bytearray] = {}
+    for _ in range(streams):
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(sid, REQUEST)
+        pending[sid] = bytearray(stream_window)
+    for sid, data in pending.items():
+        send_what_fits(client, sid, data)
+    _, at_server = wire.pump()
+    received = sum(len(e.data or b"") for e in at_server if isinstance(e, h2.events.DataReceived))
+    assert received == connection_window
+    assert client.open_window() == 0
+    assert all(client.send_window(sid) == 0 for sid in pending)
+
+
+# -- flood limits --
+
+
+def flood_settings(**limits: int) -> Http2Settings:
+    return Http2Settings(flood_window_s=10.0, **limits)
+
+
+def ping(n: int) -> bytes:
+    return PingFrame(0, opaque_data=n.to_bytes(8, "big")).serialize()
+
+
+def empty_settings() -> bytes:
+    return SettingsFrame(0, settings={h2.settings.SettingCodes.ENABLE_PUSH: 0}).serialize()
+
+
+def open_and_reset(wire: Wire) -> bytes:
+    """The bytes of one stream opened and at once reset by the client (the "rapid reset")."""
+    sid = wire.client.h2.get_next_available_stream_id()
+    wire.client.h2.send_headers(sid, REQUEST)
+    wire.client.h2.reset_stream(sid, ErrorCodes.CANCEL)
+    return wire.client.data_to_send()
+
+
+FLOODS = {
+    "RST_STREAM": ("max_resets_per_window", open_and_reset),
+    "PING": ("max_pings_per_window", lambda wire: ping(random.getrandbits(32))),
+    "SETTINGS": ("max_settings_per_window", lambda wire: empty_settings()),
+}
+
+
+@pytest.mark.parametrize("kind", FLOODS)
+def test_flood_is_answered_with_enhance_your_calm(kind: str) -> None:
+    field, frame_bytes = FLOODS[kind]
+    limit = getattr(Http2Settings(), field)
+    wire = connected()
+    server = wire.server
+    # The SETTINGS of the client's preface counts too.
+    allowed = limit - 1 if kind == "SETTINGS" else limit
+    for _ in range(allowed):
+        server.receive_data(frame_bytes(wire), now=1.0)
+    server.data_to_send()  # the answers (PING ACKs, SETTINGS ACKs) to allowed frames
+
+    with pytest.raises(ProtocolViolation, match=kind) as err:
+        server.receive_data(frame_bytes(wire), now=2.0)
+    assert err.value.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    goaway = goaway_in(server.data_to_send())
+    assert goaway.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    # And the connection stays dead: nothing more is processed.
+    assert server.receive_data(ping(1), now=3.0) == []
+
+
+@pytest.mark.parametrize("kind", FLOODS)
+def test_the_same_frames_spread_over_time_are_fine(kind: str) -> None:
+    field, frame_bytes = FLOODS[kind]
+    limit = 20
+    wire = connected(server_settings=flood_settings(**{field: limit}))
+    server = wire.server
+    # Three windows' worth at just under the limit each, with time passing between them.
+    for window in range(1, 4):
+        for i in range(limit):
+            server.receive_data(frame_bytes(wire), now=window * 10.5 + i * 0.01)
+    assert not server.closed
+    assert not any(isinstance(f, GoAwayFrame) for f in parse_frames(server.data_to_send()))
+
+
+def test_rapid_reset_streams_reach_the_server_before_the_limit() -> None:
+    """Below the limit each opened-and-reset stream is seen and its reset reported."""
+    wire = connected(server_settings=flood_settings(max_resets_per_window=5))
+    events: list[h2.events.Event] = []
+    for _ in range(5):
+        events += wire.server.receive_data(open_and_reset(wire), now=0.0)
+    assert sum(isinstance(e, h2.events.RequestReceived) for e in events) == 5
+    assert sum(isinstance(e, h2.events.StreamReset) for e in events) == 5
+
+
+# -- malformed input --
+
+
+def test_garbage_instead_of_the_preface_is_refused_with_goaway() -> None:
+    server = Http2Protocol(client_side=False)
+    server.initiate()
+    server.data_to_send()
+    with pytest.raises(ProtocolViolation) as err:
+        server.receive_data(b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n", now=0.0)
+    assert err.value.error_code == ErrorCodes.PROTOCOL_ERROR
+    assert goaway_in(server.data_to_send()).error_code == ErrorCodes.PROTOCOL_ERROR
+
+
+def frame_header(length: int, frame_type: int, flags: int = 0, stream_id: int = 0) -> bytes:
+    return length.to_bytes(3, "big") + bytes([frame_type, flags]) + stream_id.to_bytes(4, "big")
+
+
+BAD_LENGTHS = {
+    "PING of 7 bytes": frame_header(7, 0x6) + b"\0" * 7,
+    "SETTINGS of 5 bytes": frame_header(5, 0x4) + b"\0" * 5,
+    "WINDOW_UPDATE of 3 bytes": frame_header(3, 0x8) + b"\0" * 3,
+    "RST_STREAM of 5 bytes": frame_header(5, 0x3, stream_id=1) + b"\0" * 5,
+}
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+@pytest.mark.parametrize("frame", BAD_LENGTHS.values(), ids=BAD_LENGTHS.keys())
+def test_frame_with_a_bad_length_is_a_frame_size_error(side: str, frame: bytes) -> None:
+    wire = connected()
+    receiver = wire.server if side == "server" else wire.client
+    with pytest.raises(ProtocolViolation) as err:
+        receiver.receive_data(frame, now=0.0)
+    assert err.value.error_code == ErrorCodes.FRAME_SIZE_ERROR
+    assert goaway_in(receiver.data_to_send()).error_code == ErrorCodes.FRAME_SIZE_ERROR
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_frame_larger_than_max_frame_is_refused_at_its_header(side: str) -> None:
+    """An oversized frame is refused as soon as its header says so, not once it is buffered.
+
+    A peer speaking something else (an HTTP/1.1 error page, say) looks like a frame header
+    announcing megabytes; waiting for them would leave the connection hanging.
+    """
+    wire = connected()
+    receiver = wire.server if side == "server" else wire.client
+    header = frame_header(Http2Settings().max_frame_bytes + 1, 0x0, stream_id=1)
+    with pytest.raises(ProtocolViolation) as err:
+        receiver.receive_data(header + b"\0" * 100, now=0.0)
+    assert err.value.error_code == ErrorCodes.FRAME_SIZE_ERROR
+    assert goaway_in(receiver.data_to_send()).error_code == ErrorCodes.FRAME_SIZE_ERROR
+
+
+def test_http1_answer_to_a_client_is_refused_at_once() -> None:
+    wire = connected()
+    with pytest.raises(ProtocolViolation) as err:
+        wire.client.receive_data(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", 0.0)
+    assert err.value.error_code == ErrorCodes.FRAME_SIZE_ERROR
+    assert goaway_in(wire.client.data_to_send()).error_code == ErrorCodes.FRAME_SIZE_ERROR
+
+
+def encoded_headers(headers: list[tuple[bytes, bytes]]) -> bytes:
+    return hpack.Encoder().encode(headers)
+
+
+def test_header_list_larger_than_announced_is_refused() -> None:
+    wire = connected()
+    limit = Http2Settings().max_header_list_bytes
+    block = encoded_headers([*REQUEST, (b"x-big", b"a" * limit)])
+    frame = HeadersFrame(1, data=block, flags=["END_HEADERS", "END_STREAM"]).serialize()
+    with pytest.raises(ProtocolViolation) as err:
+        wire.server.receive_data(frame, now=0.0)
+    assert err.value.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    assert goaway_in(wire.server.data_to_send()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_header_list_just_under_the_limit_is_accepted() -> None:
+    wire = connected()
+    limit = Http2Settings().max_header_list_bytes
+    # RFC 9113 6.5.2: each field counts its name, its value and 32 bytes.
+    used = sum(len(k) + len(v) + 32 for k, v in REQUEST) + len(b"x-big") + 32
+    block = encoded_headers([*REQUEST, (b"x-big", b"a" * (limit - used))])
+    frame = HeadersFrame(1, data=block, flags=["END_HEADERS", "END_STREAM"]).serialize()
+    events = wire.server.receive_data(frame, now=0.0)
+    assert any(isinstance(e, h2.events.RequestReceived) for e in events)
+
+
+def test_too_many_continuation_frames_are_refused() -> None:
+    wire = connected()
+    block = encoded_headers(REQUEST)
+    frames = [HeadersFrame(1, data=block[:1], flags=["END_STREAM"]).serialize()]
+    # One byte at a time is well under any size limit; the count is what is refused.
+    frames += [ContinuationFrame(1, data=b"").serialize() for _ in range(100)]
+    with pytest.raises(ProtocolViolation) as err:
+        wire.server.receive_data(b"".join(frames), now=0.0)
+    assert err.value.error_code == ErrorCodes.PROTOCOL_ERROR
+    assert goaway_in(wire.server.data_to_send()).error_code == ErrorCodes.PROTOCOL_ERROR
+
+
+def test_header_block_growing_past_the_limit_is_refused_before_it_ends() -> None:
+    """CONTINUATION frames of a block past max_header_list_bytes are not buffered on and on."""
+    wire = connected()
+    limit = Http2Settings().max_header_list_bytes
+    piece = b"\0" * (limit // 2)
+    frames = [HeadersFrame(1, data=piece).serialize()]
+    frames += [ContinuationFrame(1, data=piece).serialize() for _ in range(8)]
+    with pytest.raises(ProtocolViolation) as err:
+        for frame in frames:
+            wire.server.receive_data(frame, now=0.0)
+    assert err.value.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    assert goaway_in(wire.server.data_to_send()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_window_update_overflowing_the_window_is_a_flow_control_error() -> None:
+    wire = connected()
+    frame = WindowUpdateFrame(0, window_increment=2**31 - 1).serialize()
+    with pytest.raises(ProtocolViolation) as err:
+        wire.server.receive_data(frame, now=0.0)
+    assert err.value.error_code == ErrorCodes.FLOW_CONTROL_ERROR
+    assert goaway_in(wire.server.data_to_send()).error_code == ErrorCodes.FLOW_CONTROL_ERROR
+
+
+def test_data_beyond_the_window_is_a_flow_control_error() -> None:
+    wire = connected(server_settings=SMALL)
+    wire.server.receive_data(
+        HeadersFrame(1, data=encoded_headers(REQUEST), flags=["END_HEADERS"]).serialize(), 0.0
+    )
+    frame = DataFrame(1, data=b"\0" * SMALL.max_frame_bytes).serialize()
+    with pytest.raises(ProtocolViolation) as err:
+        for _ in range(SMALL.connection_window_bytes // SMALL.max_frame_bytes + 2):
+            wire.server.receive_data(frame, now=0.0)
+    assert err.value.error_code == ErrorCodes.FLOW_CONTROL_ERROR
+    assert goaway_in(wire.server.data_to_send()).error_code == ErrorCodes.FLOW_CONTROL_ERROR
+
+
+# -- concurrent streams --
+
+
+@settings(max_examples=30, deadline=None)
+@given(cuts=CUTS, extra=st.integers(1, 6))
+def test_streams_beyond_the_concurrency_limit_are_refused(cuts: list[int], extra: int) -> None:
+    limit = 4
+    server_settings = Http2Settings(max_concurrent_streams=limit)
+    client = Http2Protocol(client_side=True)
+    server = Http2Protocol(client_side=False, settings=server_settings)
+    client.initiate()
+    server.initiate()
+    wire = Wire(client, server, cuts)
+    # The client opens its streams before the server's SETTINGS reach it, as any client may.
+    sids = []
+    for _ in range(limit + extra):
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(sid, REQUEST, end_stream=True)
+        sids.append(sid)
+    at_client, at_server = wire.pump()
+
+    accepted = [e.stream_id for e in at_server if isinstance(e, h2.events.RequestReceived)]
+    assert accepted == sids[:limit]
+    refused = {e.stream_id: e.error_code for e in at_client if isinstance(e, h2.events.StreamReset)}
+    assert refused == {sid: ErrorCodes.REFUSED_STREAM for sid in sids[limit:]}
+    assert not client.closed and not server.closed
+
+    # The accepted streams are answered, and after them new streams are accepted again.
+    for sid in accepted:
+        server.h2.send_headers(sid, RESPONSE, end_stream=True)
+    at_client, _ = wire.pump()
+    assert sum(isinstance(e, h2.events.ResponseReceived) for e in at_client) == limit
+    sid = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(sid, REQUEST, end_stream=True)
+    _, at_server = wire.pump()
+    assert [e.stream_id for e in at_server if isinstance(e, h2.events.RequestReceived)] == [sid]
+
+
+# -- graceful GOAWAY --
+
+
+@settings(max_examples=20, deadline=None)
+@given(cuts=CUTS)
+def test_stream_in_flight_finishes_after_a_graceful_goaway(cuts: list[int]) -> None:
+    wire = connected(SMALL, SMALL, cuts)
+    client, server = wire.client, wire.server
+    sid = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(sid, REQUEST)
+    wire.pump()
+
+    server.go_away(ErrorCodes.NO_ERROR)
+    at_client, _ = wire.pump()
+    goaways = [e for e in at_client if isinstance(e, h2.events.ConnectionTerminated)]
+    assert [(g.error_code, g.last_stream_id) for g in goaways] == [(ErrorCodes.NO_ERROR, sid)]
+
+    # Both directions of the stream the server accepted still work, past several windows.
+    request = bytearray(payload(3 * SMALL.stream_window_bytes, 1))
+    response = bytearray(payload(3 * SMALL.stream_window_bytes, 2))
+    server.h2.send_headers(sid, RESPONSE)
+    got = {client: 0, server: 0}
+    ended = {client: False, server: False}
+    for _ in range(1000):
+        send_what_fits(client, sid, request)
+        send_what_fits(server, sid, response)
+        at_client, at_server = wire.exchange()
+        for me, events in ((client, at_client), (server, at_server)):
+            for event in events:
+                if isinstance(event, h2.events.DataReceived):
+                    got[me] += len(event.data or b"")
+                    me.acknowledge(sid, event.flow_controlled_length or 0)
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended[me] = True
+        if all(ended.values()):
+            break
+    assert got == {client: 3 * SMALL.stream_window_bytes, server: 3 * SMALL.stream_window_bytes}
+    assert not client.closed and not server.closed

@@ -1,0 +1,261 @@
+"""The worker API reached both ways, for real: TLS on loopback, direct and through the tunnel."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.client import WorkerClient, WorkerUnavailable
+from agent.models import ApiError, ErrorCode, Registration
+from agent.runner import run_agent
+from agent.tls import TLSStream
+from agent.wsstream import WebSocketStream
+from control.server import Controlplane, serve_controlplane
+from tests.workers import Pki, agent_config, control_config, make_pki
+
+MODES = ["direct", "tunnel"]
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return make_pki(tmp_path)
+
+
+@pytest.fixture
+async def control(pki: Pki, nursery: trio.Nursery) -> Controlplane:
+    cp: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+    return cp
+
+
+async def start_agent(
+    nursery: trio.Nursery, pki: Pki, control: Controlplane, mode: str, **kw: object
+) -> trio.CancelScope:
+    scope = trio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await run_agent(agent_config(pki, control.port, mode=mode, **kw))  # type: ignore[arg-type]
+
+    nursery.start_soon(run)
+    return scope
+
+
+async def client(control: Controlplane, worker_id: str) -> WorkerClient:
+    with trio.fail_after(10):
+        return await control.registry.client_for(worker_id)
+
+
+@pytest.fixture(params=MODES)
+async def worker(
+    request: pytest.FixtureRequest, pki: Pki, control: Controlplane, nursery: trio.Nursery
+) -> AsyncIterator[tuple[Controlplane, str]]:
+    mode = request.param
+    await start_agent(nursery, pki, control, mode)
+    yield control, f"w-{mode}"
+
+
+async def test_request_both_modes(worker: tuple[Controlplane, str]) -> None:
+    control, worker_id = worker
+    c = await client(control, worker_id)
+    health = await c.health()
+    assert health.worker_id == worker_id
+    info = await c.worker()
+    assert info.mode == worker_id.removeprefix("w-")
+
+
+async def _hash_server(nursery: trio.Nursery) -> int:
+    """A TCP service on loopback that answers the SHA-256 of everything it received."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+
+    async def handle(stream: trio.SocketStream) -> None:
+        digest = hashlib.sha256()
+        async with stream:
+            while data := await stream.receive_some(1 << 20):
+                digest.update(data)
+            await stream.send_all(digest.hexdigest().encode())
+
+    nursery.start_soon(trio.serve_listeners, handle, listeners)
+    return int(listeners[0].socket.getsockname()[1])
+
+
+@pytest.mark.slow
+async def test_one_gib_connect_transfer(
+    worker: tuple[Controlplane, str], nursery: trio.Nursery
+) -> None:
+    control, worker_id = worker
+    port = await _hash_server(nursery)
+    c = await client(control, worker_id)
+    block = os.urandom(1 << 20)
+    expected = hashlib.sha256()
+    stream = await c.connect_tcp("127.0.0.1", port)
+    with trio.fail_after(120):
+        for _ in range(1024):
+            await stream.send_all(block)
+            expected.update(block)
+        await stream.send_eof()
+        answer = b""
+        while data := await stream.receive_some():
+            answer += data
+    await stream.aclose()
+    assert answer.decode() == expected.hexdigest()
+
+
+async def test_thousand_concurrent_requests(worker: tuple[Controlplane, str]) -> None:
+    control, worker_id = worker
+    c = await client(control, worker_id)
+    answers: list[str] = []
+
+    async def one() -> None:
+        answers.append((await c.health()).status)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as inner:
+            for _ in range(1000):
+                inner.start_soon(one)
+    assert answers == ["ok"] * 1000
+
+
+async def test_streamed_response_is_read_as_it_comes(worker: tuple[Controlplane, str]) -> None:
+    control, worker_id = worker
+    c = await client(control, worker_id)
+    ws = await c.open_websocket("/v1/echo")
+    for i in range(50):
+        await ws.send_message(f"line {i}")
+        assert await ws.receive_message() == f"line {i}"
+    await ws.aclose()
+
+
+async def test_tunnel_cut_reconnects(
+    pki: Pki, control: Controlplane, nursery: trio.Nursery
+) -> None:
+    await start_agent(nursery, pki, control, "tunnel")
+    first = await client(control, "w-tunnel")
+    await first.health()
+    # The network drops the tunnel: its TCP connection is shut down under both ends.
+    ws_stream = first.conn.transport
+    assert isinstance(ws_stream, WebSocketStream) and ws_stream._transport is not None
+    tls = ws_stream._transport
+    assert isinstance(tls, TLSStream)
+    tcp = tls.transport_stream
+    assert isinstance(tcp, trio.SocketStream)
+    tcp.socket.shutdown(socket.SHUT_RDWR)
+    with trio.fail_after(10):
+        while True:
+            second = await control.registry.client_for("w-tunnel")
+            if second is not first:
+                break
+            await trio.sleep(0.05)
+    with trio.fail_after(5):
+        assert (await second.health()).status == "ok"
+
+
+async def test_controlplane_restart(pki: Pki, nursery: trio.Nursery) -> None:
+    scope = trio.CancelScope()
+    started: list[Controlplane] = []
+
+    async def run_control(port: int, *, task_status: trio.TaskStatus[None]) -> None:
+        with scope:
+            cp = await nursery.start(serve_controlplane, control_config(pki, port=port))
+            started.append(cp)
+            task_status.started()
+            await trio.sleep_forever()
+
+    first_scope = trio.CancelScope()
+
+    async def first(*, task_status: trio.TaskStatus[Controlplane]) -> None:
+        with first_scope:
+            async with trio.open_nursery() as inner:
+                cp = await inner.start(serve_controlplane, control_config(pki))
+                task_status.started(cp)
+
+    cp1: Controlplane = await nursery.start(first)
+    port = cp1.port
+    for mode in MODES:
+        await start_agent(nursery, pki, cp1, mode)
+        assert (await (await client(cp1, f"w-{mode}")).health()).status == "ok"
+    first_scope.cancel()  # the controlplane goes away...
+    await trio.sleep(0.2)
+    async with trio.open_nursery() as n2:
+        cp2: Controlplane = await n2.start(serve_controlplane, control_config(pki, port=port))
+        # ...and comes back on the same address: every agent is back without intervention.
+        for mode in MODES:
+            assert (await (await client(cp2, f"w-{mode}")).health()).status == "ok"
+        n2.cancel_scope.cancel()
+
+
+async def test_wrong_token_tunnel_is_refused(
+    pki: Pki, control: Controlplane, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    await start_agent(nursery, pki, control, "tunnel", token="not-the-token")
+    with trio.move_on_after(1.5):
+        await control.registry.client_for("w-tunnel")
+        pytest.fail("a tunnel with a wrong token was accepted")
+    assert any("refused" in r.getMessage() for r in caplog.records)
+    assert not any("not-the-token" in r.getMessage() for r in caplog.records)
+
+
+async def test_wrong_token_direct_is_unauthenticated(
+    pki: Pki, control: Controlplane, nursery: trio.Nursery
+) -> None:
+    await start_agent(nursery, pki, control, "direct")
+    good = await client(control, "w-direct")
+    imposter = WorkerClient(good.conn, token="wrong", authority="w-direct")
+    with pytest.raises(ApiError) as err:
+        await imposter.health()
+    assert err.value.code is ErrorCode.UNAUTHENTICATED
+
+
+async def test_wrong_pinned_fingerprint_is_refused(
+    pki: Pki, control: Controlplane, nursery: trio.Nursery
+) -> None:
+    await start_agent(nursery, pki, control, "direct")
+    good = await client(control, "w-direct")
+    entry = control.registry._entries["w-direct"]
+    address = entry.address
+    await good.aclose()
+    # Someone else answers at the registered address with another certificate.
+    control.registry.register(
+        Registration(
+            worker_id="w-direct",
+            version="x",
+            mode="direct",
+            address=address,
+            fingerprint="00" * 32,
+        )
+    )
+    with pytest.raises(WorkerUnavailable if False else ApiError) as err:
+        with trio.fail_after(5):
+            await control.registry.client_for("w-direct")
+    assert err.value.code is ErrorCode.UNAVAILABLE
+    assert "certificate" in err.value.message
+
+
+async def test_malformed_frames_close_only_that_connection(
+    pki: Pki, control: Controlplane, nursery: trio.Nursery
+) -> None:
+    await start_agent(nursery, pki, control, "direct")
+    good = await client(control, "w-direct")
+    host, _, port = (control.registry._entries["w-direct"].address or "").rpartition(":")
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    tcp = await trio.open_tcp_stream(host, int(port))
+    raw = trio.SSLStream(tcp, context, server_hostname=host)
+    await raw.send_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x04\x99\xff" * 20)
+    received = b""
+    with trio.fail_after(5):
+        try:
+            while data := await raw.receive_some():
+                received += data
+        except trio.BrokenResourceError:
+            pass
+    assert b"\x07" in received  # a GOAWAY frame came back before the close
+    assert (await good.health()).status == "ok"  # the agent still serves everyone else

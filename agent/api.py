@@ -13,7 +13,7 @@ import attrs
 
 from agent import __version__
 from agent.h2websocket import H2WebSocket, WebSocketClosed
-from agent.models import Health, WorkerInfo
+from agent.models import CardInfo, Health, WorkerInfo
 from agent.service import Request, Router
 
 
@@ -24,6 +24,9 @@ class WorkerState:
     worker_id: str
     mode: str
     node: str | None = None
+    driver_version: str | None = None
+    cards: tuple[CardInfo, ...] = ()
+    gpu_problems: tuple[str, ...] = ()
     started_at: float = attrs.field(factory=time.time)
     started_monotonic: float = attrs.field(factory=time.monotonic)
 
@@ -42,6 +45,9 @@ def build_router(state: WorkerState) -> Router:
             started_at=state.started_at,
             uptime_s=round(time.monotonic() - state.started_monotonic, 3),
             node=state.node,
+            driver_version=state.driver_version,
+            cards=state.cards,
+            gpu_problems=state.gpu_problems,
         )
 
     async def echo(request: Request, ws: H2WebSocket) -> None:

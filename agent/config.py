@@ -105,7 +105,7 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
     host, _, port_text = listen.rpartition(":")
     try:
         port = int(port_text)
-        if not 0 <= port < 65536:
+        if ":" not in listen or not 0 <= port < 65536:
             raise ValueError
     except ValueError:
         raise ConfigError(

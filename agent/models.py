@@ -154,6 +154,18 @@ class Health:
 
 
 @attrs.frozen
+class CardInfo:
+    """One card this worker was given, and whether it serves (or why not)."""
+
+    uuid: str
+    index: int
+    model: str
+    memory_total_bytes: int
+    state: str
+    reason: str
+
+
+@attrs.frozen
 class WorkerInfo:
     worker_id: str
     version: str
@@ -161,6 +173,9 @@ class WorkerInfo:
     started_at: float
     uptime_s: float
     node: str | None = None
+    driver_version: str | None = None
+    cards: tuple[CardInfo, ...] = ()
+    gpu_problems: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -173,6 +188,7 @@ class Registration:
     address: str | None = None
     fingerprint: str | None = None
     node: str | None = None
+    cards: tuple[CardInfo, ...] = ()
 
 
 @attrs.frozen
@@ -186,3 +202,4 @@ class WorkerSummary:
     address: str | None = None
     node: str | None = None
     registered_at: float | None = None
+    cards: int = 0

@@ -14,9 +14,12 @@ one drained with GOAWAY, so requests in flight finish and new ones take the new 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 import ssl
+
+from collections.abc import Mapping
 
 import trio
 import trio_websocket
@@ -34,7 +37,9 @@ from agent.backoff import (
 from agent.client import ApiClient, open_api_client
 from agent.config import AgentConfig
 from agent.connection import Http2Connection
-from agent.models import ApiError, Registration
+from agent.gpus import GpuConfig, GpuSetupError, claim_cards
+from agent.models import ApiError, CardInfo, Registration
+from agent.podresources import PodResourcesError
 from agent.service import ConnectPolicy, Service, bearer_auth
 from agent.tls import (
     CertKey,
@@ -44,6 +49,7 @@ from agent.tls import (
     verifying_client_context,
 )
 from agent.wsstream import WebSocketStream, wrap_client
+from nvml import NvmlError
 
 log = logging.getLogger("levers9.agent")
 
@@ -66,12 +72,13 @@ async def run_agent(
 ) -> None:
     """Serve until cancelled. `started()` gives the direct listener's port (None in tunnel)."""
     state = WorkerState(worker_id=config.worker_id, mode=config.mode, node=config.node)
+    await claim_into(state, os.environ)
     service = build_service(config, state)
     async with trio.open_nursery() as nursery:
         if config.mode == "direct":
             cert_key = make_self_signed(f"levers9-worker-{config.worker_id}", _cert_hosts(config))
             port = await nursery.start(serve_direct, config, service, cert_key)
-            nursery.start_soon(register_loop, config, cert_key.fingerprint, port)
+            nursery.start_soon(register_loop, config, cert_key.fingerprint, port, state.cards)
             log.info(
                 "worker %s serving directly on %s:%d",
                 config.worker_id,
@@ -83,6 +90,41 @@ async def run_agent(
         else:
             nursery.start_soon(run_tunnel, config, service)
             task_status.started(None)
+
+
+async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> None:
+    """Claim the cards Kubernetes gave this pod and record them (and any problem) in `state`.
+
+    A node without a working driver still gets a worker that answers, reporting no cards and
+    why, so the controlplane and the operator see the reason rather than a crash loop.
+    """
+    try:
+        claim = await claim_cards(GpuConfig.from_environ(environ), environ)
+    except (NvmlError, PodResourcesError, GpuSetupError) as exc:
+        state.gpu_problems = (f"no cards claimed: {exc}",)
+        log.warning("no cards claimed: %s", exc)
+        return
+    state.driver_version = claim.driver_version
+    state.cards = tuple(
+        CardInfo(
+            uuid=card.uuid,
+            index=card.index,
+            model=card.model,
+            memory_total_bytes=card.memory_total_bytes,
+            state=card.state.value,
+            reason=card.reason,
+        )
+        for card in claim.cards
+    )
+    state.gpu_problems = claim.problems()
+    for problem in state.gpu_problems:
+        log.warning("%s", problem)
+    log.info(
+        "claimed %d of %d card(s) (from %s)",
+        len(claim.serving),
+        len(claim.cards),
+        claim.source,
+    )
 
 
 def _cert_hosts(config: AgentConfig) -> list[str]:
@@ -181,7 +223,9 @@ async def register_once(config: AgentConfig, registration: Registration) -> None
             await client.call("POST", f"/v1/workers/{config.worker_id}/register", registration)
 
 
-async def register_loop(config: AgentConfig, fingerprint: str, port: int) -> None:
+async def register_loop(
+    config: AgentConfig, fingerprint: str, port: int, cards: tuple[CardInfo, ...] = ()
+) -> None:
     """Tell the controlplane how to reach us, and keep telling it (it may have restarted)."""
     registration = Registration(
         worker_id=config.worker_id,
@@ -190,6 +234,7 @@ async def register_loop(config: AgentConfig, fingerprint: str, port: int) -> Non
         address=advertised_address(config, port),
         fingerprint=fingerprint,
         node=config.node,
+        cards=cards,
     )
     policy = Backoff(cap_s=min(config.tunnel.backoff_cap_s, config.register_interval_s))
     state = BackoffState()

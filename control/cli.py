@@ -96,7 +96,9 @@ async def worker_list(args: argparse.Namespace) -> None:
         ]
         for w in result.workers
     ]
-    print(_table(["worker", "mode", "connected", "node", "address", "version", "age"], rows))
+    print(
+        _table(["worker", "mode", "connected", "node", "cards", "address", "version", "age"], rows)
+    )
 
 
 async def worker_get(args: argparse.Namespace) -> None:

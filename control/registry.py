@@ -21,7 +21,7 @@ import trio
 from agent.client import WorkerClient
 from agent.connection import Http2Connection, KeepaliveConfig
 from agent.http2 import Http2Settings
-from agent.models import ApiError, ErrorCode, Registration, WorkerSummary
+from agent.models import ApiError, ErrorCode, Registration, WorkerInfo, WorkerSummary
 from agent.tls import PinMismatchError, TLSStream, pinned_client_context
 
 log = logging.getLogger("levers9.registry")
@@ -37,6 +37,7 @@ class WorkerEntry:
     fingerprint: str | None = None
     node: str | None = None
     registered_at: float | None = None
+    cards: int = 0
     tunnel: WorkerClient | None = None
     direct: WorkerClient | None = None
 
@@ -105,6 +106,7 @@ class WorkerRegistry:
         entry.address = registration.address
         entry.fingerprint = registration.fingerprint
         entry.node = registration.node
+        entry.cards = sum(1 for c in registration.cards if c.state == "serving")
         entry.registered_at = time.time()
         self._changed.unpark_all()
 
@@ -172,6 +174,15 @@ class WorkerRegistry:
             log.info("worker %s opened a new tunnel; the old one drains", worker_id)
         self._changed.unpark_all()
 
+    def learn(self, info: WorkerInfo) -> None:
+        """Record what a worker said about itself."""
+        entry = self._entries.get(info.worker_id)
+        if entry is None:
+            return
+        entry.version = info.version
+        entry.node = info.node
+        entry.cards = sum(1 for c in info.cards if c.state == "serving")
+
     def detach_tunnel(self, worker_id: str, client: WorkerClient) -> None:
         entry = self._entries.get(worker_id)
         if entry is not None and entry.tunnel is client:
@@ -205,6 +216,7 @@ class WorkerRegistry:
                 address=e.address,
                 node=e.node,
                 registered_at=e.registered_at,
+                cards=e.cards,
             )
             for e in sorted(self._entries.values(), key=lambda e: e.worker_id)
         ]

@@ -168,12 +168,23 @@ class Controlplane:
             client = WorkerClient(conn, token=token, authority=worker_id)
             self.registry.attach_tunnel(worker_id, client, version=headers.get("x-levers9-version"))
             log.info("worker %s connected through its tunnel", worker_id)
+            nursery.start_soon(self._learn, worker_id, client)
             try:
                 await conn.wait_closed()
             finally:
                 self.registry.detach_tunnel(worker_id, client)
                 log.info("tunnel of worker %s closed: %s", worker_id, conn.close_reason)
                 nursery.cancel_scope.cancel()
+
+    async def _learn(self, worker_id: str, client: WorkerClient) -> None:
+        """Ask a newly tunnelled worker about itself (its cards, node, version)."""
+        with trio.move_on_after(WORKER_CALL_TIMEOUT_S):
+            try:
+                info = await client.worker()
+            except ApiError as exc:
+                log.info("could not ask worker %s about itself: %s", worker_id, exc.message)
+                return
+            self.registry.learn(info)
 
 
 async def serve_controlplane(

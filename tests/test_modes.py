@@ -259,3 +259,73 @@ async def test_malformed_frames_close_only_that_connection(
             pass
     assert b"\x07" in received  # a GOAWAY frame came back before the close
     assert (await good.health()).status == "ok"  # the agent still serves everyone else
+
+
+async def test_tunnel_max_age_drains_in_flight_streams(
+    pki: Pki, control: Controlplane, nursery: trio.Nursery
+) -> None:
+    await start_agent(nursery, pki, control, "tunnel", max_age_s=1.0)
+    port = await _hash_server(nursery)
+    first = await client(control, "w-tunnel")
+    stream = await first.connect_tcp("127.0.0.1", port)
+    block = os.urandom(1 << 16)
+    expected = hashlib.sha256()
+    await stream.send_all(block)
+    expected.update(block)
+    with trio.fail_after(10):
+        while (second := await control.registry.client_for("w-tunnel")) is first:
+            await trio.sleep(0.05)
+    assert first.conn.draining  # the old tunnel got GOAWAY; new requests take the new one
+    assert (await second.health()).status == "ok"
+    # The stream opened before the roll-over finishes on the old tunnel.
+    await stream.send_all(block)
+    expected.update(block)
+    await stream.send_eof()
+    answer = b""
+    with trio.fail_after(10):
+        while data := await stream.receive_some():
+            answer += data
+    assert answer.decode() == expected.hexdigest()
+
+
+async def test_cli_lists_workers_and_asks_one(
+    pki: Pki, control: Controlplane, nursery: trio.Nursery
+) -> None:
+    import json
+    import sys
+
+    from tests.workers import API_TOKEN
+
+    for mode in MODES:
+        await start_agent(nursery, pki, control, mode)
+        await client(control, f"w-{mode}")
+    env = dict(
+        os.environ,
+        LEVERS9_CONTROLPLANE=f"https://127.0.0.1:{control.port}",
+        LEVERS9_TOKEN=API_TOKEN,
+        LEVERS9_CA=str(pki.ca_file),
+    )
+    listed = await trio.run_process(
+        [sys.executable, "-m", "control.cli", "worker", "list", "--json"],
+        env=env,
+        capture_stdout=True,
+    )
+    workers = {w["workerId"]: w for w in json.loads(listed.stdout)}
+    assert workers["w-direct"]["mode"] == "direct"
+    assert workers["w-tunnel"]["mode"] == "tunnel"
+    assert workers["w-tunnel"]["connected"] is True
+    got = await trio.run_process(
+        [sys.executable, "-m", "control.cli", "worker", "get", "w-tunnel"],
+        env=env,
+        capture_stdout=True,
+    )
+    assert b"w-tunnel" in got.stdout
+    refused = await trio.run_process(
+        [sys.executable, "-m", "control.cli", "--token", "wrong", "worker", "list"],
+        env=env,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert refused.returncode == 1
+    assert b"UNAUTHENTICATED" in refused.stderr

@@ -1,0 +1,146 @@
+"""Configuration at the edges: the controlplane's values files and the agent's environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.config import ConfigError as AgentConfigError
+from agent.config import load_config
+from control.config import ConfigError, load_files, merge, parse
+
+BASE = """
+config:
+  publicUrl: https://cp.example.com
+  listen: 127.0.0.1:8443
+  tls: {certFile: /etc/tls.crt, keyFile: /etc/tls.key}
+  worker:
+    tokens:
+      - {workerId: w-1, token: public-placeholder}
+"""
+
+PRIVATE = """
+config:
+  worker:
+    tokens:
+      - {workerId: w-1, token: the-real-secret-1234}
+  apiTokens:
+    - {name: ops, token: ops-secret-5678}
+"""
+
+
+def test_later_files_merge_over_earlier(tmp_path: Path) -> None:
+    (tmp_path / "values.yaml").write_text(BASE)
+    (tmp_path / "private.yaml").write_text(PRIVATE)
+    config = load_files([tmp_path / "values.yaml", tmp_path / "private.yaml"])
+    assert config.public_url == "https://cp.example.com"
+    assert config.worker.tokens[0].token == "the-real-secret-1234"
+    assert config.api_tokens[0].name == "ops"
+    assert config.listen_port == 8443
+
+
+def test_secrets_are_not_in_repr(tmp_path: Path) -> None:
+    (tmp_path / "values.yaml").write_text(BASE + PRIVATE.replace("config:\n", "", 1))
+    (tmp_path / "private.yaml").write_text(PRIVATE)
+    config = load_files([tmp_path / "values.yaml", tmp_path / "private.yaml"])
+    assert "the-real-secret-1234" not in repr(config)
+    assert "ops-secret-5678" not in repr(config)
+
+
+def test_merge_replaces_lists_and_merges_mappings() -> None:
+    merged = merge({"a": {"b": 1, "c": [1, 2]}}, {"a": {"c": [3], "d": 4}})
+    assert merged == {"a": {"b": 1, "c": [3], "d": 4}}
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({}, "no 'config:' mapping"),
+        ({"config": {"publicUrl": "https://x"}}, "config.tls"),
+        (
+            {
+                "config": {
+                    "publicUrl": "https://x",
+                    "tls": {"certFile": "a", "keyFile": "b"},
+                    "tunel": {},
+                }
+            },
+            "tunel",
+        ),
+        (
+            {"config": {"publicUrl": "http://x", "tls": {"certFile": "a", "keyFile": "b"}}},
+            "config.publicUrl must start with https://",
+        ),
+        (
+            {
+                "config": {
+                    "publicUrl": "https://x",
+                    "tls": {"certFile": "a", "keyFile": "b"},
+                    "worker": {"tokens": [{"workerId": "w"}]},
+                }
+            },
+            "config.worker.tokens[0].token",
+        ),
+        (
+            {
+                "config": {
+                    "publicUrl": "https://x",
+                    "tls": {"certFile": "a", "keyFile": "b"},
+                    "listen": "nowhere",
+                }
+            },
+            "config.listen must be HOST:PORT",
+        ),
+    ],
+)
+def test_bad_values_name_the_field(values: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(values)
+    assert needle in str(err.value)
+
+
+def test_unreadable_or_bad_yaml_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_files([tmp_path / "missing.yaml"])
+    (tmp_path / "bad.yaml").write_text("config: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_files([tmp_path / "bad.yaml"])
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        "LEVERS9_WORKER_ID": "w-1",
+        "LEVERS9_WORKER_TOKEN": "agent-secret-token",
+        "LEVERS9_CONTROLPLANE_URL": "https://cp.example.com:8443",
+    }
+    env.update(extra)
+    return env
+
+
+def test_agent_config_pops_the_token_and_hides_it() -> None:
+    env = _env(LEVERS9_MODE="tunnel")
+    config = load_config(env)
+    assert config.token == "agent-secret-token"
+    assert "LEVERS9_WORKER_TOKEN" not in env  # no child process inherits it
+    assert "agent-secret-token" not in repr(config)
+    assert config.controlplane_port == 8443
+    assert config.mode == "tunnel"
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"LEVERS9_WORKER_ID": ""}, "LEVERS9_WORKER_ID is not set"),
+        ({"LEVERS9_MODE": "sideways"}, "LEVERS9_MODE must be 'direct' or 'tunnel'"),
+        ({"LEVERS9_CONTROLPLANE_URL": "http://cp"}, "LEVERS9_CONTROLPLANE_URL must be an https"),
+        ({"LEVERS9_LISTEN": "7443"}, "LEVERS9_LISTEN must be HOST:PORT"),
+        ({"LEVERS9_PING_INTERVAL_S": "soon"}, "LEVERS9_PING_INTERVAL_S must be a number"),
+        ({"LEVERS9_CONTROLPLANE_CA": "/nonexistent/ca.pem"}, "which is not a file"),
+    ],
+)
+def test_agent_config_errors_name_the_variable(changes: dict[str, str], needle: str) -> None:
+    with pytest.raises(AgentConfigError) as err:
+        load_config(_env(**changes))
+    assert needle in str(err.value)
+    assert "agent-secret-token" not in str(err.value)

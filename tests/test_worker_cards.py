@@ -1,0 +1,82 @@
+"""The agent claims its cards at start and reports them (GET /v1/worker, registration).
+
+The agent runs as its own process, as in a worker Job, with pynvml loading the stand-in
+libnvidia-ml through LD_LIBRARY_PATH, exactly the path a GPU node's driver library takes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import trio
+
+from control.server import Controlplane, serve_controlplane
+from nvml.standin import StandinProcess, nvlinked_node, standin_environ, write_node
+from tests.workers import WORKER_TOKENS, control_config, make_pki
+
+pytest_plugins = ["tests.nvml_fixtures"]
+
+
+async def test_worker_reports_claimed_cards(
+    tmp_path: Path, standin_library: Path, nursery: trio.Nursery
+) -> None:
+    pki = make_pki(tmp_path)
+    control: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+    node = nvlinked_node(4, {2: {"processes": (StandinProcess(pid=424242),)}})
+    description = write_node(tmp_path / "node.json", node)
+    env = dict(os.environ)
+    env.update(standin_environ(standin_library, description))
+    env.update(
+        NVIDIA_VISIBLE_DEVICES="all",
+        LEVERS9_WORKER_ID="w-tunnel",
+        LEVERS9_WORKER_TOKEN=WORKER_TOKENS["w-tunnel"],
+        LEVERS9_MODE="tunnel",
+        LEVERS9_CONTROLPLANE_URL=f"https://127.0.0.1:{control.port}",
+        LEVERS9_CONTROLPLANE_CA=str(pki.ca_file),
+        LEVERS9_NODE_NAME="gpu-node-1",
+    )
+    process = await trio.lowlevel.open_process([sys.executable, "-m", "agent.cli", "run"], env=env)
+    try:
+        with trio.fail_after(20):
+            client = await control.registry.client_for("w-tunnel")
+            info = await client.worker()
+        assert info.node == "gpu-node-1"
+        assert [c.index for c in info.cards] == [0, 1, 2, 3]
+        states = {c.index: c.state for c in info.cards}
+        assert states == {0: "serving", 1: "serving", 2: "refused", 3: "serving"}
+        refused = next(c for c in info.cards if c.index == 2)
+        assert "424242" in refused.reason
+        assert any("424242" in p for p in info.gpu_problems)
+        assert info.driver_version
+    finally:
+        process.terminate()
+        with trio.move_on_after(5):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_agent_self_check_command_reports_cards(
+    tmp_path: Path, standin_library: Path
+) -> None:
+    import json
+
+    description = write_node(tmp_path / "node.json", nvlinked_node(2))
+    env = dict(os.environ)
+    env.update(standin_environ(standin_library, description))
+    env["NVIDIA_VISIBLE_DEVICES"] = "all"
+    result = await trio.run_process(
+        [sys.executable, "-m", "agent.cli", "self-check", "--json"],
+        env=env,
+        capture_stdout=True,
+        check=False,
+    )
+    report = json.loads(result.stdout)
+    names = [c["name"] for c in report["checks"]]
+    assert any("NVML" in n or "nvml" in n.lower() for n in names)
+    statuses = {c["status"] for c in report["checks"]}
+    assert statuses <= {"ok", "warn", "fail"}
+    assert result.returncode == (1 if "fail" in statuses else 0)

@@ -7,6 +7,7 @@ a table of checks (`--json` for scripts) and exits 1 when any fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -39,11 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"levers9-agent: {exc}", file=sys.stderr)
         return 2
     from agent.runner import run_agent
+    from agent.signals import run_until_signalled
 
-    try:
-        trio.run(run_agent, config)
-    except KeyboardInterrupt:
-        return 130
+    trio.run(run_until_signalled, functools.partial(run_agent, config))
     return 0
 
 

@@ -19,10 +19,10 @@ import collections
 import contextlib
 import itertools
 import logging
+import operator
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import attrs
 import h2.errors
@@ -134,18 +134,25 @@ class H2Stream:
     def _on_window(self) -> None:
         self._window_lot.unpark_all()
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, *, discard: bool = False) -> None:
         if self._error is None:
             self._error = exc
-        # Whatever is still buffered will never be read: give the window back.
-        dropped = sum(flow for _, flow in self._chunks)
-        if not self._eof and dropped:
-            self._conn._proto.acknowledge(self.stream_id, dropped)
-        self._chunks.clear()
-        self._buffered = 0
+        # A body the peer ended is complete and stays readable (a reset or a lost connection
+        # after END_STREAM must not truncate it); one that never will be is dropped.
+        if discard or not self._eof:
+            self._discard()
         self._readable.unpark_all()
         self._headers_lot.unpark_all()
         self._window_lot.unpark_all()
+
+    def _discard(self) -> None:
+        """Drop unread body bytes, giving their window back to the peer."""
+        # Acknowledged even after END_STREAM: the connection window counts them too.
+        dropped = sum(flow for _, flow in self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if dropped:
+            self._conn._proto.acknowledge(self.stream_id, dropped)
 
     # -- the consumer's side --
 
@@ -272,7 +279,7 @@ class H2Stream:
     async def reset(self, error_code: int = h2.errors.ErrorCodes.CANCEL) -> None:
         """Abort the stream in both directions; safe to call more than once."""
         if self._error is None:
-            self._fail(StreamReset(self.stream_id, error_code, by_peer=False))
+            self._fail(StreamReset(self.stream_id, error_code, by_peer=False), discard=True)
             try:
                 self._conn._proto.h2.reset_stream(self.stream_id, error_code)
             except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, KeyError):
@@ -331,8 +338,10 @@ class H2ByteStream(trio.abc.HalfCloseableStream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._closed:
             raise trio.ClosedResourceError("stream is closed")
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError("max_bytes must be >= 1")
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)  # a float would park for ever, not raise
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be >= 1")
         try:
             data = await self.stream.receive_some(max_bytes)
         except trio.BusyResourceError:
@@ -351,12 +360,24 @@ class H2ByteStream(trio.abc.HalfCloseableStream):
             return
         self._closed = True
         stream = self.stream
-        if stream._error is None and not (stream._sent_end and stream._eof):
-            # Closing before both sides ended abandons the stream: reset it so the peer
-            # learns at once and no window stays held.
+        # Nobody reads after a close: what is still buffered gives its window back.
+        stream._discard()
+        if stream._error is None and not stream._sent_end:
+            # Our side ends cleanly, as closing a socket does: what we sent arrives, then EOF.
+            # (Queued now, so a cancelled aclose still closes.)
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                stream._conn._proto.h2.end_stream(stream.stream_id)
+            stream._sent_end = True
+            stream._conn._settle(stream)
+        if stream._error is None and not stream._eof:
+            # We will read no more: reset it so the peer stops sending and no window stays
+            # held. It arrives after our END_STREAM, so the peer keeps what we sent.
             await stream.reset(h2.errors.ErrorCodes.CANCEL)
         else:
-            await trio.lowlevel.checkpoint()
+            try:
+                await stream._conn._flush()
+            except trio.BrokenResourceError:
+                pass
         stream._readable.unpark_all()
         stream._window_lot.unpark_all()
 
@@ -399,6 +420,7 @@ class Http2Connection:
         self._handler_nursery: trio.Nursery | None = None
         self._idle_lot = trio.lowlevel.ParkingLot()
         self._ping_lot = trio.lowlevel.ParkingLot()
+        self._flush_scheduled = False
 
     # -- lifecycle --
 
@@ -471,7 +493,7 @@ class Http2Connection:
             headers = event.headers
             stream = self._streams.get(event.stream_id or 0)
             if stream is not None and headers is not None:
-                stream._on_headers(list(headers))  # type: ignore[arg-type]
+                stream._on_headers(list(headers))
         elif isinstance(event, h2.events.InformationalResponseReceived):
             pass
         elif isinstance(event, h2.events.StreamEnded):
@@ -518,7 +540,7 @@ class Http2Connection:
             self._proto.h2.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
         stream = H2Stream(self, sid)
-        stream._on_headers(list(event.headers or []))  # type: ignore[arg-type]
+        stream._on_headers(list(event.headers or []))
         self._streams[sid] = stream
         self._opened += 1
         self._handler_nursery.start_soon(self._run_handler, stream)
@@ -533,12 +555,16 @@ class Http2Connection:
             # The handler is done with the stream. A response it did not finish is an
             # internal error; a request body it did not read is refused (NO_ERROR, RFC 9113
             # 8.1), so the peer stops sending and no window stays held.
-            if stream._error is None and not stream._sent_end:
-                await stream.reset(h2.errors.ErrorCodes.INTERNAL_ERROR)
-            elif stream._error is None and not stream._eof:
-                await stream.reset(h2.errors.ErrorCodes.NO_ERROR)
-            self._streams.pop(stream.stream_id, None)
-            self._idle_lot.unpark_all()
+            try:
+                if stream._error is None and not stream._sent_end:
+                    await stream.reset(h2.errors.ErrorCodes.INTERNAL_ERROR)
+                elif stream._error is None and not stream._eof:
+                    await stream.reset(h2.errors.ErrorCodes.NO_ERROR)
+            finally:
+                # A complete body the handler did not read still holds connection window.
+                stream._discard()
+                self._streams.pop(stream.stream_id, None)
+                self._idle_lot.unpark_all()
 
     def _settle(self, stream: H2Stream) -> None:
         """Forget a stream both sides have ended; its object keeps what is still unread."""
@@ -634,14 +660,41 @@ class Http2Connection:
     # -- writing --
 
     async def _flush(self) -> None:
-        async with self._write_lock:
-            data = self._proto.data_to_send()
-            if data:
-                try:
-                    await self.transport.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self._mark_closed(f"transport broke while sending: {exc}")
-                    raise ConnectionLost(f"connection lost: {exc}") from exc
+        try:
+            async with self._write_lock:
+                data = self._proto.data_to_send()
+                if data:
+                    try:
+                        await self.transport.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        self._mark_closed(f"transport broke while sending: {exc}")
+                        raise ConnectionLost(f"connection lost: {exc}") from exc
+        except trio.Cancelled:
+            # Frames a cancelled caller queued (a reset, an END_STREAM from a cancelled
+            # aclose) must still go out, or the peer waits on them for ever.
+            self._flush_later()
+            raise
+
+    def _flush_later(self) -> None:
+        """Have the connection's own nursery send whatever h2 holds."""
+        nursery = self._handler_nursery
+        if (
+            self._closed
+            or self._flush_scheduled
+            or nursery is None
+            or nursery.cancel_scope.cancel_called
+        ):
+            return
+        self._flush_scheduled = True
+        nursery.start_soon(self._flush_scheduled_frames)
+
+    async def _flush_scheduled_frames(self) -> None:
+        try:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await self._flush()
+        finally:
+            # Cleared only now, so a cancelled flush here does not schedule another.
+            self._flush_scheduled = False
 
     @contextlib.contextmanager
     def _h2_errors(self, stream: H2Stream) -> Iterator[None]:
@@ -694,6 +747,8 @@ class Http2Connection:
         """Drop a finished client stream from the table (its owner is done with it)."""
         if self._streams.get(stream.stream_id) is stream:
             del self._streams[stream.stream_id]
+        # Unread body bytes would hold connection window for ever.
+        stream._discard()
         self._idle_lot.unpark_all()
 
     # -- liveness --

@@ -101,7 +101,7 @@ class _FrameScanner:
         self._skip = len(PREFACE) if server else 0  # the preface, or the rest of a frame
         self._header = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple[int, int, int]]:
+    def feed(self, data: bytes | bytearray) -> list[tuple[int, int, int]]:
         """(length, type, flags) of every frame header completed by `data`."""
         found: list[tuple[int, int, int]] = []
         view = memoryview(data)
@@ -243,7 +243,7 @@ class Http2Protocol:
         self.closed = True
         return ProtocolViolation(message, code)
 
-    def _check_frame_headers(self, data: bytes) -> None:
+    def _check_frame_headers(self, data: bytes | bytearray) -> None:
         max_frame = self.h2.max_inbound_frame_size
         for length, frame_type, flags in self._frames.feed(data):
             if length > max_frame:

@@ -30,7 +30,6 @@ import contextlib
 import cProfile
 import functools
 import io
-import math
 import os
 import pstats
 import secrets
@@ -68,7 +67,7 @@ from control.server import Controlplane, serve_controlplane
 QUICK_PLAN = Plan(total_bytes=256 << 20, stream_counts=(1, 8), round_trips=2000, connects=50)
 FULL_PLAN = Plan(total_bytes=1 << 30, stream_counts=(1, 8), round_trips=5000, connects=200)
 QUICK_REPEATS = 3
-FULL_REPEATS = 3
+FULL_REPEATS = 5
 
 ANCHOR_PATHS = ("tcp", "ssh_R")
 OUR_PATHS = ("tunnel", "direct")
@@ -81,7 +80,7 @@ WARMUP_BYTES = 16 << 20
 """Moved untimed over each path before the first repeat: connections, windows and caches warm."""
 
 AGENT_START_DEADLINE_S = 20.0
-AGENT_STOP_GRACE_S = 10.0
+AGENT_STOP_GRACE_S = 5.0
 """An agent stops on SIGINT; under cProfile it writes its profile first, which takes a moment."""
 MEASUREMENT_DEADLINE_S = 600.0
 """Bounds each single measurement, so a stalled path fails the run instead of hanging it."""
@@ -142,13 +141,13 @@ RATIOS: dict[str, Ratio] = {
     "rtt_p50_tunnel_vs_ssh": Ratio(
         "tunnel.rtt_p50_us", "ssh_R.rtt_p50_us", 2.5, higher_is_better=False
     ),
-    "rtt_p99_tunnel_vs_ssh": Ratio("tunnel.rtt_p99_us", "ssh_R.rtt_p99_us", None, False),
-    "rtt_p50_direct_vs_ssh": Ratio("direct.rtt_p50_us", "ssh_R.rtt_p50_us", None, False),
+    "rtt_p99_tunnel_vs_ssh": Ratio("tunnel.rtt_p99_us", "ssh_R.rtt_p99_us", higher_is_better=False),
+    "rtt_p50_direct_vs_ssh": Ratio("direct.rtt_p50_us", "ssh_R.rtt_p50_us", higher_is_better=False),
     "connect_p50_tunnel_vs_ssh": Ratio(
         "tunnel.connect_p50_ms", "ssh_R.connect_p50_ms", 0.1, higher_is_better=False
     ),
     "connect_p50_direct_vs_ssh": Ratio(
-        "direct.connect_p50_ms", "ssh_R.connect_p50_ms", None, False
+        "direct.connect_p50_ms", "ssh_R.connect_p50_ms", higher_is_better=False
     ),
 }
 """Every ratio the report holds; a plan without some stream count leaves its ratios out."""
@@ -201,6 +200,10 @@ async def _latencies(open_stream: OpenStream, plan: Plan) -> dict[str, float]:
     }
 
 
+def _warmup(plan: Plan) -> Plan:
+    return attrs.evolve(plan, total_bytes=min(WARMUP_BYTES, plan.total_bytes))
+
+
 def _rotated(paths: Sequence[str], by: int) -> list[str]:
     shift = by % len(paths)
     return [*paths[shift:], *paths[:shift]]
@@ -224,7 +227,7 @@ async def measure_interleaved(
     paths = list(openers)
     for path in paths:
         progress(f"warming up {PATH_TITLES.get(path, path)}")
-        await _throughput(openers[path], "upload", 1, attrs.evolve(plan, total_bytes=WARMUP_BYTES))
+        await _throughput(openers[path], "upload", 1, _warmup(plan))
     for repeat in range(repeats):
         order = _rotated(paths, repeat)
         for name, direction, streams in _throughput_figures(plan):
@@ -502,9 +505,7 @@ async def profile_our_paths(workdir: Path, profile_dir: Path, plan: Plan) -> dic
         open_our_paths(workdir, sink_port, profile_dir=profile_dir) as (_, ours),
     ):
         for mode, open_stream in ours.items():
-            await _throughput(
-                open_stream, "upload", 1, attrs.evolve(plan, total_bytes=WARMUP_BYTES)
-            )
+            await _throughput(open_stream, "upload", 1, _warmup(plan))
             profiler = cProfile.Profile()
             profiler.enable()
             try:
@@ -551,6 +552,14 @@ async def run_until_sigterm(async_fn: Callable[[], Awaitable[T]]) -> T:
             nursery.start_soon(watch)
             nursery.start_soon(body)
     return results[0]
+
+
+def _run(async_fn: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return trio.run(run_until_sigterm, async_fn)
+    except* Terminated:
+        _say("terminated (SIGTERM); every process the run started was stopped")
+        raise SystemExit(128 + signal.SIGTERM) from None
 
 
 def _plan_from(args: argparse.Namespace) -> tuple[Plan, int]:
@@ -601,28 +610,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="levers9-bench-tunnel-") as workdir:
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
-            files = trio.run(
-                run_until_sigterm,
-                functools.partial(profile_our_paths, Path(workdir), args.profile.resolve(), plan),
+            files = _run(
+                functools.partial(profile_our_paths, Path(workdir), args.profile.resolve(), plan)
             )
             for name, path in files.items():
                 print(f"=== {name}: {path}\n{summarise_profile(path)}")
             return
         _say(f"plan: {plan}, {repeats} repeats")
-        samples = trio.run(
-            run_until_sigterm, functools.partial(run_benchmark, Path(workdir), plan, repeats)
-        )
+        samples = _run(functools.partial(run_benchmark, Path(workdir), plan, repeats))
     report = build_report(samples)
     print(render_report(report))
     if args.json:
         write_report(
             args.json, figures=report.figures, ratios=report.ratios, anchors=report.anchors
         )
-    missing = [
-        name
-        for name in RATIOS
-        if name not in report.ratios or not math.isfinite(report.ratios[name])
-    ]
+    missing = [name for name in RATIOS if name not in report.ratios]
     if missing:
         _say(f"ratios not measured with this plan: {', '.join(missing)}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -31,15 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"levers9-control: {exc}", file=sys.stderr)
         return 2
+    from agent.signals import run_until_signalled
     from control.server import serve_controlplane
 
     try:
-        trio.run(serve_controlplane, config)
+        trio.run(run_until_signalled, functools.partial(serve_controlplane, config))
     except ApiError as exc:
         print(f"levers9-control: {exc.message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
     return 0
 
 

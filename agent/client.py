@@ -28,6 +28,7 @@ from agent.connection import (
     KeepaliveConfig,
     StreamError,
     StreamRefused,
+    StreamReset,
     header_value,
 )
 from agent.h2websocket import H2WebSocket
@@ -130,7 +131,13 @@ class ApiClient:
         try:
             stream = await self.conn.open_stream(headers, end_stream=not body)
             if body:
-                await stream.send_data(body, end_stream=True)
+                try:
+                    await stream.send_data(body, end_stream=True)
+                except StreamReset as exc:
+                    # A server may answer before reading the whole body and then reset with
+                    # NO_ERROR (RFC 9113 8.1): its answer stands.
+                    if exc.error_code != h2.errors.ErrorCodes.NO_ERROR or stream.headers is None:
+                        raise
             response_headers = await stream.wait_headers()
         except StreamError as exc:
             raise self._unavailable(exc) from None

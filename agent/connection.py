@@ -316,7 +316,7 @@ class H2ByteStream(trio.abc.HalfCloseableStream):
                 raise trio.ClosedResourceError("send side already closed")
             return
         try:
-            await self.stream.send_data(bytes(data))
+            await self.stream.send_data(data if isinstance(data, bytes) else bytes(data))
         except trio.ClosedResourceError:
             raise
         except StreamError as exc:
@@ -397,8 +397,11 @@ class Http2Connection:
         keepalive: KeepaliveConfig | None = None,
         handler: RequestHandler | None = None,
         name: str = "",
+        write_timeout_s: float = 30.0,
     ) -> None:
         self.transport = transport
+        self._write_timeout_s = write_timeout_s
+        self._last_receive = 0.0
         self.client_side = client_side
         self.name = name
         self._proto = Http2Protocol(client_side=client_side, settings=settings)
@@ -430,7 +433,11 @@ class Http2Connection:
             async with trio.open_nursery() as nursery:
                 self._handler_nursery = nursery
                 self._proto.initiate()
-                await self._flush()
+                try:
+                    await self._flush()
+                except trio.BrokenResourceError as exc:
+                    self._mark_closed(f"transport broke: {exc}")
+                    return
                 self._ready.set()
                 task_status.started()
                 if self._keepalive is not None:
@@ -457,6 +464,7 @@ class Http2Connection:
             if not data:
                 self._mark_closed("peer closed the connection")
                 return
+            self._last_receive = trio.current_time()
             try:
                 events = self._proto.receive_data(data, trio.current_time())
             except ProtocolViolation as exc:
@@ -551,6 +559,9 @@ class Http2Connection:
             await self._handler(stream)
         except StreamError:
             pass
+        except Exception:
+            # One failing handler costs its own stream (reset below), never the connection.
+            log.exception("handler failed on stream %d", stream.stream_id)
         finally:
             # The handler is done with the stream. A response it did not finish is an
             # internal error; a request body it did not read is refused (NO_ERROR, RFC 9113
@@ -660,15 +671,37 @@ class Http2Connection:
     # -- writing --
 
     async def _flush(self) -> None:
+        """Send what h2 has queued. A write, once started, is never cut by cancellation (a
+        half-written frame would corrupt every stream); it is bounded by the write timeout
+        instead, past which the peer is taken to have stopped reading and the connection
+        closes."""
+        if not self._proto.has_data_to_send():
+            await trio.lowlevel.checkpoint()
+            return
         try:
             async with self._write_lock:
                 data = self._proto.data_to_send()
-                if data:
-                    try:
-                        await self.transport.send_all(data)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                        self._mark_closed(f"transport broke while sending: {exc}")
-                        raise ConnectionLost(f"connection lost: {exc}") from exc
+                if not data:
+                    return
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(self._write_timeout_s) as timer:
+                        try:
+                            await self.transport.send_all(data)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                            self._mark_closed(f"transport broke while sending: {exc}")
+                            raise ConnectionLost(f"connection lost: {exc}") from exc
+                if timer.cancelled_caught:
+                    reason = (
+                        f"peer stopped reading (a write did not finish in "
+                        f"{self._write_timeout_s:g} s)"
+                    )
+                    log.warning(
+                        "http2 connection closed: %s", reason, extra={"connection": self.name}
+                    )
+                    self._mark_closed(reason)
+                    with trio.CancelScope(shield=True):
+                        await trio.aclose_forcefully(self.transport)
+                    raise ConnectionLost(f"connection lost: {reason}")
         except trio.Cancelled:
             # Frames a cancelled caller queued (a reset, an END_STREAM from a cancelled
             # aclose) must still go out, or the peer waits on them for ever.
@@ -770,7 +803,8 @@ class Http2Connection:
         while not self._closed:
             await trio.sleep(config.ping_interval_s)
             opaque = b"ka" + os.urandom(6)
-            self._pings[opaque] = trio.current_time()
+            sent_at = trio.current_time()
+            self._pings[opaque] = sent_at
             self._proto.h2.ping(opaque)
             try:
                 await self._flush()
@@ -779,6 +813,11 @@ class Http2Connection:
             with trio.move_on_after(config.ping_timeout_s):
                 while opaque in self._pings and not self._closed:
                     await self._ping_lot.park()
+            if opaque in self._pings and self._last_receive > sent_at:
+                # The ACK may sit behind a full window of data; bytes arriving are proof
+                # enough that the peer is alive.
+                self._pings.pop(opaque, None)
+                continue
             if opaque in self._pings and not self._closed:
                 self._pings.pop(opaque, None)
                 log.warning(

@@ -221,6 +221,10 @@ class Http2Protocol:
     def data_to_send(self) -> bytes:
         return self.h2.data_to_send()
 
+    def has_data_to_send(self) -> bool:
+        """Whether frames are queued, without taking them (h2 offers no peek of its own)."""
+        return bool(self.h2._data_to_send)
+
     def receive_data(self, data: bytes | bytearray, now: float) -> list[h2.events.Event]:
         """Feed received bytes; returns h2's events or raises `ProtocolViolation`."""
         if self.closed:

@@ -18,7 +18,6 @@ import os
 import random
 import socket
 import ssl
-
 from collections.abc import Mapping
 
 import trio

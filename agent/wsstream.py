@@ -125,7 +125,11 @@ class WebSocketStream(trio.abc.Stream):
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return
             for start in range(0, len(view), WS_MAX_SEND_BYTES):
-                message = bytes(view[start : start + WS_MAX_SEND_BYTES])
+                message = (
+                    data
+                    if isinstance(data, bytes) and len(data) <= WS_MAX_SEND_BYTES
+                    else bytes(view[start : start + WS_MAX_SEND_BYTES])
+                )
                 try:
                     await self._ws.send_message(message)
                 except trio_websocket.ConnectionClosed as exc:

@@ -110,3 +110,16 @@ async def test_websocket_echo(client: WorkerClient) -> None:
     await ws.send_message("text")
     assert await ws.receive_message() == "text"
     await ws.aclose()
+
+
+async def test_early_answer_to_a_large_body_is_returned(nursery: trio.Nursery) -> None:
+    # A wrong token is refused before the body is read; the client still gets the 401,
+    # not "worker unavailable", even though the server resets the rest of the upload.
+    server_side, client_side = trio.testing.memory_stream_pair()
+    service = Service(build_router(WorkerState("w-1", "direct")), authenticate=bearer_auth(TOKEN))
+    conn = Http2Connection(server_side, client_side=False, handler=service)
+    nursery.start_soon(conn.run)
+    async with open_worker_client(client_side, token="wrong") as c:
+        with pytest.raises(ApiError) as err:
+            await c.call("POST", "/v1/health", {"data": "x" * (20 * 1024 * 1024)})
+        assert err.value.code is ErrorCode.UNAUTHENTICATED

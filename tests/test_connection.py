@@ -653,3 +653,17 @@ async def test_a_transport_failing_on_write_closes_the_connection_cleanly() -> N
         with pytest.raises(ConnectionLost), trio.fail_after(5):
             await pair.client.ping()
         assert "transport broke" in (pair.server.close_reason or "")
+
+
+async def test_a_peer_that_stops_reading_is_closed_after_the_write_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A lockstep pair: every send waits for the peer to read, and this peer never does.
+    ours, _peer = trio.testing.lockstep_stream_pair()
+    conn = Http2Connection(ours, client_side=False, write_timeout_s=5.0)
+    started = trio.current_time()
+    with trio.fail_after(60):
+        await conn.run()
+    assert conn.closed
+    assert "stopped reading" in (conn.close_reason or "")
+    assert 5.0 <= trio.current_time() - started < 10.0

@@ -478,10 +478,13 @@ class Http2Connection:
                 return
             for event in events:
                 self._dispatch(event)
-            try:
-                await self._flush()
-            except trio.BrokenResourceError:
-                return
+            if self._proto.has_data_to_send():
+                # Only when there is something to send (ACKs, WINDOW_UPDATEs): the receive
+                # above was already this loop's checkpoint.
+                try:
+                    await self._flush()
+                except trio.BrokenResourceError:
+                    return
             if self._closed:
                 return
 
@@ -679,9 +682,16 @@ class Http2Connection:
             await trio.lowlevel.checkpoint()
             return
         try:
-            async with self._write_lock:
+            # Uncontended, the lock is taken without a trip through the scheduler: the send
+            # below is this call's checkpoint.
+            try:
+                self._write_lock.acquire_nowait()
+            except trio.WouldBlock:
+                await self._write_lock.acquire()
+            try:
                 data = self._proto.data_to_send()
                 if not data:
+                    await trio.lowlevel.checkpoint()
                     return
                 with trio.CancelScope(shield=True):
                     with trio.move_on_after(self._write_timeout_s) as timer:
@@ -702,6 +712,8 @@ class Http2Connection:
                     with trio.CancelScope(shield=True):
                         await trio.aclose_forcefully(self.transport)
                     raise ConnectionLost(f"connection lost: {reason}")
+            finally:
+                self._write_lock.release()
         except trio.Cancelled:
             # Frames a cancelled caller queued (a reset, an END_STREAM from a cancelled
             # aclose) must still go out, or the peer waits on them for ever.

@@ -684,6 +684,7 @@ class Http2Connection:
         try:
             # Uncontended, the lock is taken without a trip through the scheduler: the send
             # below is this call's checkpoint.
+            await trio.lowlevel.checkpoint_if_cancelled()
             try:
                 self._write_lock.acquire_nowait()
             except trio.WouldBlock:

@@ -8,13 +8,18 @@ models from `agent.models`.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 
 import attrs
+import trio
 
 from agent import __version__
 from agent.h2websocket import H2WebSocket, WebSocketClosed
-from agent.models import CardInfo, Health, WorkerInfo
-from agent.service import Request, Router
+from agent.logs import RecentLogs
+from agent.models import ApiError, CardInfo, ErrorCode, Health, WorkerInfo
+from agent.service import Request, Router, StreamResponse
+
+LOG_POLL_S = 0.2
 
 
 @attrs.define
@@ -27,6 +32,7 @@ class WorkerState:
     driver_version: str | None = None
     cards: tuple[CardInfo, ...] = ()
     gpu_problems: tuple[str, ...] = ()
+    logs: RecentLogs = attrs.field(factory=RecentLogs)
     started_at: float = attrs.field(factory=time.time)
     started_monotonic: float = attrs.field(factory=time.monotonic)
 
@@ -58,7 +64,29 @@ def build_router(state: WorkerState) -> Router:
         except WebSocketClosed:
             return
 
+    async def agent_logs(request: Request) -> StreamResponse:
+        follow = request.query.get("follow", "false").lower() in ("1", "true", "yes")
+        try:
+            start = int(request.query.get("since", "0"))
+        except ValueError:
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT, "query 'since' must be a line number", field="since"
+            ) from None
+
+        async def lines() -> AsyncGenerator[bytes, None]:
+            sequence = start
+            while True:
+                batch, sequence = state.logs.since(sequence)
+                if batch:
+                    yield ("\n".join(batch) + "\n").encode()
+                if not follow:
+                    return
+                await trio.sleep(LOG_POLL_S)
+
+        return StreamResponse(lines, content_type="application/x-ndjson")
+
     router.add("GET", "/v1/health", health)
+    router.add("GET", "/v1/agent/logs", agent_logs)
     router.add("GET", "/v1/worker", worker)
     router.add_websocket("/v1/echo", echo)
     return router

@@ -6,9 +6,11 @@ is what log pipelines parse. On a terminal the same records print as plain text.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import sys
+import threading
 import time
 
 _STANDARD = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
@@ -40,3 +42,35 @@ def setup_logging(level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class RecentLogs(logging.Handler):
+    """The agent's last log lines, kept in memory for `GET /v1/agent/logs` (bounded).
+
+    Operators of a private cluster may not reach the pod's log through the cluster; the
+    controlplane can read it over the worker's own connection instead. Records may come from
+    worker threads (NVML calls), hence the lock; readers poll by sequence number.
+    """
+
+    def __init__(self, capacity: int = 2000) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=capacity)
+        self._next = 0
+        self._guard = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        with self._guard:
+            self._lines.append((self._next, line))
+            self._next += 1
+
+    def since(self, sequence: int) -> tuple[list[str], int]:
+        """Lines numbered `sequence` and later (those still kept), and the next number."""
+        with self._guard:
+            lines = [line for number, line in self._lines if number >= sequence]
+            return lines, self._next

@@ -71,6 +71,17 @@ async def run_agent(
 ) -> None:
     """Serve until cancelled. `started()` gives the direct listener's port (None in tunnel)."""
     state = WorkerState(worker_id=config.worker_id, mode=config.mode, node=config.node)
+    root = logging.getLogger()
+    root.addHandler(state.logs)
+    try:
+        await _serve(config, state, task_status)
+    finally:
+        root.removeHandler(state.logs)
+
+
+async def _serve(
+    config: AgentConfig, state: WorkerState, task_status: trio.TaskStatus[int | None]
+) -> None:
     await claim_into(state, os.environ)
     service = build_service(config, state)
     async with trio.open_nursery() as nursery:

@@ -11,12 +11,13 @@ and RFC 8441 extended CONNECT with `:protocol websocket` reaches WebSocket route
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -69,7 +70,7 @@ class JsonResponse:
 class StreamResponse:
     """A body produced while it is sent (logs, object downloads): chunks from an iterator."""
 
-    chunks: Callable[[], AsyncIterator[bytes]]
+    chunks: Callable[[], AsyncGenerator[bytes, None]]
     content_type: str = "application/octet-stream"
     status: int = 200
     headers: Sequence[tuple[str, str]] = ()
@@ -353,9 +354,10 @@ class Service:
         ]
         head += [(k.lower().encode(), v.encode()) for k, v in response.headers]
         await stream.send_headers(head)
-        async for chunk in response.chunks():
-            if chunk:
-                await stream.send_data(chunk)
+        async with contextlib.aclosing(response.chunks()) as chunks:
+            async for chunk in chunks:
+                if chunk:
+                    await stream.send_data(chunk)
         await stream.end()
 
     async def _connect(self, stream: H2Stream, authority: str, policy: ConnectPolicy) -> int:

@@ -18,7 +18,7 @@ from agent.runner import run_agent
 from agent.tls import TLSStream
 from agent.wsstream import WebSocketStream
 from control.server import Controlplane, serve_controlplane
-from tests.workers import Pki, agent_config, control_config, make_pki
+from tests.workers import WORKER_TOKENS, Pki, agent_config, control_config, make_pki
 
 MODES = ["direct", "tunnel"]
 
@@ -330,3 +330,26 @@ async def test_cli_lists_workers_and_asks_one(
     )
     assert refused.returncode == 1
     assert b"UNAUTHENTICATED" in refused.stderr
+
+
+async def test_streamed_response_follows_the_agent_log(
+    worker: tuple[Controlplane, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+    import logging
+
+    caplog.set_level(logging.INFO, logger="levers9")
+    control, worker_id = worker
+    c = await client(control, worker_id)
+    seen = b""
+    async with c.stream("GET", "/v1/agent/logs?follow=true") as response:
+        assert response.headers["content-type"] == "application/x-ndjson"
+        await c.health()  # logged by the worker while its log is being followed
+        with trio.fail_after(10):
+            async for chunk in response.iter_chunks():
+                seen += chunk
+                if b"/v1/health" in seen:
+                    break
+    records = [json.loads(line) for line in seen.splitlines() if line]
+    assert any(r["msg"].startswith("GET /v1/health 200") for r in records)
+    assert all(WORKER_TOKENS[worker_id] not in line for line in seen.decode().splitlines())

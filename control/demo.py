@@ -31,8 +31,9 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-async def _hash_service(nursery: trio.Nursery) -> int:
-    """The workers' side service: answers the SHA-256 of everything it is sent."""
+async def open_hash_service(nursery: trio.Nursery) -> int:
+    """A TCP service on loopback (the workers' side) that answers the SHA-256 of everything
+    it was sent; returns its port. Tests use it too."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
 
     async def handle(stream: trio.SocketStream) -> None:
@@ -90,7 +91,7 @@ async def run_demo(workdir: Path) -> None:
                     )
                 )
                 _say(f"worker         {worker_id}: levers9-agent run, {mode} mode")
-            service_port = await _hash_service(nursery)
+            service_port = await open_hash_service(nursery)
             for worker_id, mode in WORKERS.items():
                 with trio.fail_after(20):
                     client = await control.registry.client_for(worker_id)

@@ -17,6 +17,7 @@ from agent.models import ApiError, ErrorCode, Registration
 from agent.runner import run_agent
 from agent.tls import TLSStream
 from agent.wsstream import WebSocketStream
+from control.demo import open_hash_service
 from control.server import Controlplane, serve_controlplane
 from tests.workers import WORKER_TOKENS, Pki, agent_config, control_config, make_pki
 
@@ -70,27 +71,12 @@ async def test_request_both_modes(worker: tuple[Controlplane, str]) -> None:
     assert info.mode == worker_id.removeprefix("w-")
 
 
-async def _hash_server(nursery: trio.Nursery) -> int:
-    """A TCP service on loopback that answers the SHA-256 of everything it received."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-
-    async def handle(stream: trio.SocketStream) -> None:
-        digest = hashlib.sha256()
-        async with stream:
-            while data := await stream.receive_some(1 << 20):
-                digest.update(data)
-            await stream.send_all(digest.hexdigest().encode())
-
-    nursery.start_soon(trio.serve_listeners, handle, listeners)
-    return int(listeners[0].socket.getsockname()[1])
-
-
 @pytest.mark.slow
 async def test_one_gib_connect_transfer(
     worker: tuple[Controlplane, str], nursery: trio.Nursery
 ) -> None:
     control, worker_id = worker
-    port = await _hash_server(nursery)
+    port = await open_hash_service(nursery)
     c = await client(control, worker_id)
     block = os.urandom(1 << 20)
     expected = hashlib.sha256()
@@ -265,7 +251,7 @@ async def test_tunnel_max_age_drains_in_flight_streams(
     pki: Pki, control: Controlplane, nursery: trio.Nursery
 ) -> None:
     await start_agent(nursery, pki, control, "tunnel", max_age_s=1.0)
-    port = await _hash_server(nursery)
+    port = await open_hash_service(nursery)
     first = await client(control, "w-tunnel")
     stream = await first.connect_tcp("127.0.0.1", port)
     block = os.urandom(1 << 16)

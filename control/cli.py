@@ -90,6 +90,7 @@ async def worker_list(args: argparse.Namespace) -> None:
             w.mode,
             "yes" if w.connected else "no",
             w.node or "-",
+            str(w.cards),
             w.address or "-",
             w.version or "-",
             _age(w.registered_at),

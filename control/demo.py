@@ -3,7 +3,8 @@ its tunnel, each answering a request and carrying a byte stream.
 
 Everything is real and local: the controlplane's public endpoint with a certificate made for
 the demo, two `levers9-agent run` processes configured the way a worker Job configures them
-(environment only), the `levers9` CLI as a user runs it, and a TCP service on the workers'
+(environment only) on nodes described to the stand-in NVML library (built here from C; pynvml
+runs its real code path), the `levers9` CLI as a user runs it, and a TCP service on the workers'
 side that the controlplane reaches through each worker's CONNECT stream. The demo stops all
 it started, also when it fails.
 """
@@ -21,9 +22,12 @@ import trio
 
 from agent.tls import make_self_signed
 from control.config import parse
+from nvml.standin import build_standin, nvlinked_node, standin_environ, write_node
 from control.server import Controlplane, serve_controlplane
 
 WORKERS = {"w-direct": "direct", "w-tunnel": "tunnel"}
+# Each worker's node, as the stand-in NVML library describes it (no GPU on this machine).
+CARDS = {"w-direct": 4, "w-tunnel": 2}
 STREAM_BYTES = 64 * 1024 * 1024
 
 
@@ -67,6 +71,7 @@ async def run_demo(workdir: Path) -> None:
             }
         }
     )
+    library = build_standin(workdir / "nvml")
     agents: list[trio.Process] = []
     async with trio.open_nursery() as nursery:
         control: Controlplane = await nursery.start(serve_controlplane, config)
@@ -75,6 +80,12 @@ async def run_demo(workdir: Path) -> None:
         try:
             for worker_id, mode in WORKERS.items():
                 env = dict(os.environ)
+                node = write_node(workdir / f"{worker_id}.json", nvlinked_node(CARDS[worker_id]))
+                env.update(standin_environ(library, node))
+                env.update(
+                    NVIDIA_VISIBLE_DEVICES="all",
+                    LEVERS9_NODE_NAME=f"gpu-node-{worker_id.removeprefix('w-')}",
+                )
                 env.update(
                     LEVERS9_WORKER_ID=worker_id,
                     LEVERS9_WORKER_TOKEN=tokens[worker_id],
@@ -99,8 +110,13 @@ async def run_demo(workdir: Path) -> None:
                     info = await client.worker()
                 _say(
                     f"\n[{mode}] GET /v1/health -> {health.status}; GET /v1/worker -> "
-                    f"{info.worker_id} v{info.version}, up {info.uptime_s:.1f} s"
+                    f"{info.worker_id} v{info.version} on {info.node}, up {info.uptime_s:.1f} s"
                 )
+                for card in info.cards:
+                    _say(
+                        f"[{mode}]   card {card.index} {card.model} "
+                        f"{card.memory_total_bytes >> 30} GiB: {card.state}"
+                    )
                 block = os.urandom(1 << 20)
                 expected = hashlib.sha256()
                 started = time.perf_counter()

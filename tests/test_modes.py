@@ -301,6 +301,21 @@ async def test_cli_lists_workers_and_asks_one(
     assert workers["w-direct"]["mode"] == "direct"
     assert workers["w-tunnel"]["mode"] == "tunnel"
     assert workers["w-tunnel"]["connected"] is True
+    table = await trio.run_process(
+        [sys.executable, "-m", "control.cli", "worker", "list"], env=env, capture_stdout=True
+    )
+    header, *rows = table.stdout.decode().splitlines()
+    assert header.split() == [
+        "WORKER",
+        "MODE",
+        "CONNECTED",
+        "NODE",
+        "CARDS",
+        "ADDRESS",
+        "VERSION",
+        "AGE",
+    ]
+    assert sorted(row.split()[0] for row in rows) == ["w-direct", "w-tunnel"]
     got = await trio.run_process(
         [sys.executable, "-m", "control.cli", "worker", "get", "w-tunnel"],
         env=env,

@@ -22,8 +22,8 @@ import trio
 
 from agent.tls import make_self_signed
 from control.config import parse
-from nvml.standin import build_standin, nvlinked_node, standin_environ, write_node
 from control.server import Controlplane, serve_controlplane
+from nvml.standin import build_standin, nvlinked_node, standin_environ, write_node
 
 WORKERS = {"w-direct": "direct", "w-tunnel": "tunnel"}
 # Each worker's node, as the stand-in NVML library describes it (no GPU on this machine).

@@ -51,6 +51,24 @@ async def open_hash_service(nursery: trio.Nursery) -> int:
     return int(listeners[0].socket.getsockname()[1])
 
 
+async def check_through_hash_service(
+    stream: trio.abc.HalfCloseableStream, total_bytes: int
+) -> bool:
+    """Send `total_bytes` of random data to the hash service over `stream`, then compare
+    the SHA-256 it answers with our own; closes the stream."""
+    block = os.urandom(1 << 20)
+    expected = hashlib.sha256()
+    for _ in range(total_bytes // len(block)):
+        await stream.send_all(block)
+        expected.update(block)
+    await stream.send_eof()
+    answer = b""
+    while data := await stream.receive_some():
+        answer += data
+    await stream.aclose()
+    return answer.decode() == expected.hexdigest()
+
+
 async def run_demo(workdir: Path) -> None:
     cert = make_self_signed("levers9-demo-controlplane", ["127.0.0.1", "localhost"])
     ca_file = workdir / "controlplane.pem"
@@ -117,21 +135,12 @@ async def run_demo(workdir: Path) -> None:
                         f"[{mode}]   card {card.index} {card.model} "
                         f"{card.memory_total_bytes >> 30} GiB: {card.state}"
                     )
-                block = os.urandom(1 << 20)
-                expected = hashlib.sha256()
                 started = time.perf_counter()
                 with trio.fail_after(60):
                     stream = await client.connect_tcp("127.0.0.1", service_port)
-                    for _ in range(STREAM_BYTES // len(block)):
-                        await stream.send_all(block)
-                        expected.update(block)
-                    await stream.send_eof()
-                    answer = b""
-                    while data := await stream.receive_some():
-                        answer += data
-                    await stream.aclose()
+                    matches = await check_through_hash_service(stream, STREAM_BYTES)
                 elapsed = time.perf_counter() - started
-                verdict = "matches" if answer.decode() == expected.hexdigest() else "DIFFERS"
+                verdict = "matches" if matches else "DIFFERS"
                 _say(
                     f"[{mode}] CONNECT 127.0.0.1:{service_port} on the worker: "
                     f"{STREAM_BYTES >> 20} MiB in {elapsed:.2f} s "

@@ -55,7 +55,7 @@ def standin_loaded(standin_library: Path) -> Path:
     try:
         load_in_process(standin_library)
     except StandinError as exc:
-        pytest.skip(f"needs the NVML stand-in in this process: {exc}")
+        pytest.skip(reason=f"needs the NVML stand-in in this process: {exc}")
     return standin_library
 
 
@@ -90,7 +90,7 @@ def make_dev_dir(tmp_path: Path) -> MakeDevDir:
             try:
                 os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
             except PermissionError:
-                pytest.skip("needs root: creates device nodes with mknod")
+                pytest.skip(reason="needs root: creates device nodes with mknod")
         return dev
 
     return make
@@ -136,4 +136,4 @@ def run_python(standin_library: Path) -> RunPython:
 def without_real_nvml() -> None:
     """Skips on machines with a real libnvidia-ml, where 'no library' cannot be shown."""
     if ctypes.util.find_library("nvidia-ml") is not None:
-        pytest.skip("this machine has a real libnvidia-ml, so a node without one cannot be shown")
+        pytest.skip(reason="a real libnvidia-ml is here, so a node without one cannot be shown")

@@ -17,7 +17,7 @@ from agent.models import ApiError, ErrorCode, Registration
 from agent.runner import run_agent
 from agent.tls import TLSStream
 from agent.wsstream import WebSocketStream
-from control.demo import open_hash_service
+from control.demo import check_through_hash_service, open_hash_service
 from control.server import Controlplane, serve_controlplane
 from tests.workers import WORKER_TOKENS, Pki, agent_config, control_config, make_pki
 
@@ -78,19 +78,9 @@ async def test_one_gib_connect_transfer(
     control, worker_id = worker
     port = await open_hash_service(nursery)
     c = await client(control, worker_id)
-    block = os.urandom(1 << 20)
-    expected = hashlib.sha256()
     stream = await c.connect_tcp("127.0.0.1", port)
     with trio.fail_after(120):
-        for _ in range(1024):
-            await stream.send_all(block)
-            expected.update(block)
-        await stream.send_eof()
-        answer = b""
-        while data := await stream.receive_some():
-            answer += data
-    await stream.aclose()
-    assert answer.decode() == expected.hexdigest()
+        assert await check_through_hash_service(stream, 1 << 30)
 
 
 async def test_thousand_concurrent_requests(worker: tuple[Controlplane, str]) -> None:

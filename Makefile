@@ -5,7 +5,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests, the demo and the benchmarks use.
-DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2
+DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
+	runc docker-registry busybox-static nftables criu apache2-utils
 
 .PHONY: deps install test lint bench demo clean
 
@@ -45,6 +46,7 @@ lint: install
 bench: deps install
 	@mkdir -p bench-results
 	$(BIN)/python -m bench.tunnel --json bench-results/tunnel.json
+	$(BIN)/python -m bench.containers --json bench-results/containers.json
 
 demo: deps install
 	$(BIN)/python -m control.demo

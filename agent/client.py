@@ -10,8 +10,11 @@ reached, so callers can retry elsewhere).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
-from collections.abc import AsyncIterator
+import urllib.parse
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -33,7 +36,20 @@ from agent.connection import (
 )
 from agent.h2websocket import H2WebSocket
 from agent.http2 import Http2Settings
-from agent.models import ApiError, ErrorCode, Health, WorkerInfo
+from agent.models import (
+    ApiError,
+    ContainerList,
+    ContainerSpec,
+    ContainerStatus,
+    ErrorCode,
+    ExecRequest,
+    Health,
+    LogLine,
+    SnapshotInfo,
+    StopRequest,
+    WorkerInfo,
+)
+from agent.objects import DIGEST_PREFIX, DigestMismatch, ObjectStore, StoredObject, parse_digest
 
 T = TypeVar("T")
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -235,6 +251,190 @@ class WorkerClient(ApiClient):
             self.conn.forget(stream)
             raise error_from_body(status, body)
         return H2ByteStream(stream)
+
+    # -- objects (the worker's node-local store, agent.objects) --
+
+    async def has_object(self, digest: str) -> int | None:
+        """The object's size if the worker holds it, else None."""
+        digest = parse_digest(digest)
+        response = await self.open("HEAD", _object_path(digest))
+        try:
+            await response.read(0)
+        finally:
+            self.conn.forget(response.stream)
+        if response.status == 200:
+            return int(response.headers.get("content-length", "0"))
+        if response.status == 404:
+            return None
+        raise ApiError(
+            ErrorCode.from_status(response.status),
+            f"worker {self.authority} answered HTTP {response.status} to HEAD of object {digest}",
+        )
+
+    async def get_object(self, digest: str, *, verify: bool = True) -> AsyncGenerator[bytes, None]:
+        """The object's content as it arrives. With `verify`, it is hashed on the way and the
+        last chunk held back until the digest checks out (`DigestMismatch` otherwise). A
+        worker that stops before the end (it found the object corrupt, or went away) raises
+        `WorkerUnavailable`: treat what arrived as tentative until the iteration ends."""
+        digest = parse_digest(digest)
+        async with self.stream("GET", _object_path(digest)) as response:
+            hasher = hashlib.sha256() if verify else None
+            held = b""
+            try:
+                while chunk := await response.stream.receive_some():
+                    if hasher is not None:
+                        hasher.update(chunk)
+                    if held:
+                        yield held
+                    held = chunk
+            except StreamError as exc:
+                raise WorkerUnavailable(
+                    f"worker {self.authority} stopped sending object {digest} before its end "
+                    f"({exc}); fetch it again",
+                    retryable=False,
+                ) from None
+            if hasher is not None and DIGEST_PREFIX + hasher.hexdigest() != digest:
+                raise DigestMismatch(digest, DIGEST_PREFIX + hasher.hexdigest())
+            if held:
+                yield held
+
+    async def fetch_object(self, digest: str, store: ObjectStore) -> StoredObject:
+        """Copy the object from the worker into a local store (verified there by digest);
+        nothing is fetched when the store already holds it."""
+        digest = parse_digest(digest)
+        async with contextlib.aclosing(self.get_object(digest, verify=False)) as chunks:
+            return await store.ingest(chunks, digest=digest)
+
+    async def put_object(
+        self, digest: str, chunks: AsyncIterable[bytes], *, size: int | None = None
+    ) -> StoredObject:
+        """Stream content to the worker's store under `digest`, which the worker verifies
+        (`DigestMismatch`'s INVALID_ARGUMENT if the content does not match; nothing is kept).
+        A worker that already holds the object answers before reading the rest."""
+        digest = parse_digest(digest)
+        headers = self._base_headers("PUT", _object_path(digest))
+        headers.append((b"content-type", b"application/octet-stream"))
+        if size is not None:
+            headers.append((b"content-length", str(size).encode()))
+        try:
+            stream = await self.conn.open_stream(headers)
+        except StreamError as exc:
+            raise self._unavailable(exc) from None
+        try:
+            answered = False
+            async for chunk in chunks:
+                if chunk and not await self._send_body(stream, chunk):
+                    answered = True
+                    break
+            if not answered:
+                await self._send_body(stream, b"", end=True)
+            try:
+                response_headers = await stream.wait_headers()
+            except StreamError as exc:
+                raise self._unavailable(exc) from None
+            response = Response(self, stream, response_headers)
+            body = await response.read(1024 * 1024)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.reset(h2.errors.ErrorCodes.CANCEL)
+            raise
+        finally:
+            self.conn.forget(stream)
+        if response.status >= 400:
+            raise error_from_body(response.status, body)
+        return models.loads(body, StoredObject)
+
+    async def _send_body(self, stream: H2Stream, data: bytes, *, end: bool = False) -> bool:
+        """Send request body bytes; False once the server has answered early (it then
+        resets the stream with NO_ERROR, RFC 9113 8.1, and its answer stands)."""
+        try:
+            if end:
+                await stream.end()
+            else:
+                await stream.send_data(data)
+        except StreamReset as exc:
+            if exc.error_code == h2.errors.ErrorCodes.NO_ERROR and stream.headers is not None:
+                return False
+            raise self._unavailable(exc) from None
+        except StreamError as exc:
+            raise self._unavailable(exc) from None
+        return True
+
+    # -- containers --------------------------------------------------------------------------
+
+    async def create_container(self, spec: ContainerSpec, *, wait: bool = True) -> ContainerStatus:
+        """Create a container; with `wait`, returns once it runs (or raises why it could not)."""
+        path = "/v1/containers" + ("" if wait else "?wait=false")
+        return await self._typed("POST", path, spec, ContainerStatus)
+
+    async def container(self, container_id: str) -> ContainerStatus:
+        return await self._typed("GET", _container_path(container_id), None, ContainerStatus)
+
+    async def containers(self) -> tuple[ContainerStatus, ...]:
+        listing = await self._typed("GET", "/v1/containers", None, ContainerList)
+        return listing.containers
+
+    async def wait_container(self, container_id: str) -> ContainerStatus:
+        path = _container_path(container_id, "wait")
+        return await self._typed("GET", path, None, ContainerStatus)
+
+    async def stop_container(
+        self, container_id: str, *, grace_s: float | None = None
+    ) -> ContainerStatus:
+        path = _container_path(container_id, "stop")
+        return await self._typed("POST", path, StopRequest(grace_s=grace_s), ContainerStatus)
+
+    async def delete_container(self, container_id: str) -> None:
+        await self.call("DELETE", _container_path(container_id))
+
+    async def snapshot_container(self, container_id: str) -> SnapshotInfo:
+        path = _container_path(container_id, "snapshot")
+        return await self._typed("POST", path, None, SnapshotInfo)
+
+    async def container_logs(
+        self, container_id: str, *, follow: bool = False
+    ) -> AsyncGenerator[LogLine, None]:
+        """The container's log lines from the start; with `follow`, until it has ended."""
+        path = _container_path(container_id, "logs") + f"?follow={'true' if follow else 'false'}"
+        async with self.stream("GET", path) as response:
+            pending = b""
+            async for chunk in response.iter_chunks():
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line:
+                        yield models.loads(line, LogLine)
+
+    async def exec_in_container(
+        self,
+        container_id: str,
+        request: ExecRequest,
+        *,
+        on_output: Callable[[int, bytes], Awaitable[None]],
+        stdin: AsyncIterable[bytes] | None = None,
+    ) -> int:
+        """Run a process in the container; its output goes to `on_output(channel, data)`
+        (1 stdout, 2 stderr); returns its exit code."""
+        from agent.exec import run_exec
+
+        ws = await self.open_websocket(_container_path(container_id, "exec"))
+        try:
+            return await run_exec(ws, request, stdin=stdin, on_output=on_output)
+        finally:
+            await ws.aclose()
+
+    async def _typed(self, method: str, path: str, body: Any, cls: type[T]) -> T:
+        result = await self.call(method, path, body, cls)
+        assert result is not None
+        return result
+
+
+def _object_path(digest: str) -> str:
+    return f"/v1/objects/{digest}"
+
+
+def _container_path(container_id: str, *rest: str) -> str:
+    return "/".join(("/v1/containers", urllib.parse.quote(container_id, safe=""), *rest))
 
 
 C = TypeVar("C", bound=ApiClient)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import urllib.parse
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 import attrs
 
@@ -38,6 +39,22 @@ class TunnelConfig:
 
 
 @attrs.frozen
+class ContainerConfig:
+    """Where a worker keeps containers and objects, and how much of the node it may use."""
+
+    state_dir: Path = Path("/var/lib/levers9")
+    object_budget_bytes: int = 50 << 30
+    free_floor_bytes: int = 5 << 30
+    log_max_bytes: int = 10 << 20
+    insecure_registries: tuple[str, ...] = ()
+    registry_ca_file: str | None = None
+    runc_binary: str = "runc"
+    stop_on_shutdown: bool = True
+    """Stop every container when the agent shuts down cleanly (the worker is going away); an
+    agent that is killed leaves them running for the next agent to adopt."""
+
+
+@attrs.frozen
 class AgentConfig:
     worker_id: str
     token: str = attrs.field(repr=False)
@@ -53,6 +70,8 @@ class AgentConfig:
     keepalive: KeepaliveConfig = KeepaliveConfig()
     http2: Http2Settings = Http2Settings()
     tunnel: TunnelConfig = TunnelConfig()
+    containers: ContainerConfig | None = None
+    """None: this agent runs no containers (LEVERS9_CONTAINERS=off)."""
 
     @property
     def controlplane_host(self) -> str:
@@ -84,6 +103,48 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     if value <= 0:
         raise ConfigError(f"{ENV_PREFIX}{name} must be greater than 0, not {raw!r}")
     return value
+
+
+def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{ENV_PREFIX}{name} must be a whole number of bytes, not {raw!r}"
+        ) from None
+    if value < 0:
+        raise ConfigError(f"{ENV_PREFIX}{name} must be 0 or more, not {raw!r}")
+    return value
+
+
+def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
+    switch = env.get(ENV_PREFIX + "CONTAINERS", "on").lower()
+    if switch not in ("on", "off"):
+        raise ConfigError(f"{ENV_PREFIX}CONTAINERS must be 'on' or 'off', not {switch!r}")
+    if switch == "off":
+        return None
+    state_dir = env.get(ENV_PREFIX + "STATE_DIR") or "/var/lib/levers9"
+    if not os.path.isabs(state_dir):
+        raise ConfigError(f"{ENV_PREFIX}STATE_DIR must be an absolute path, not {state_dir!r}")
+    ca_file = env.get(ENV_PREFIX + "REGISTRY_CA") or None
+    if ca_file is not None and not os.path.isfile(ca_file):
+        raise ConfigError(f"{ENV_PREFIX}REGISTRY_CA names {ca_file!r}, which is not a file")
+    insecure = tuple(
+        part.strip()
+        for part in env.get(ENV_PREFIX + "INSECURE_REGISTRIES", "").split(",")
+        if part.strip()
+    )
+    return ContainerConfig(
+        state_dir=Path(state_dir),
+        object_budget_bytes=_bytes(env, "OBJECT_BUDGET_BYTES", 50 << 30),
+        free_floor_bytes=_bytes(env, "FREE_FLOOR_BYTES", 5 << 30),
+        log_max_bytes=_bytes(env, "LOG_MAX_BYTES", 10 << 20),
+        insecure_registries=insecure,
+        registry_ca_file=ca_file,
+    )
 
 
 def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
@@ -134,4 +195,5 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
             drain_s=_number(env, "TUNNEL_DRAIN_S", 30.0),
             backoff_cap_s=min(_number(env, "BACKOFF_CAP_S", 30.0), 30.0),
         ),
+        containers=load_container_config(env),
     )

@@ -203,3 +203,134 @@ class WorkerSummary:
     node: str | None = None
     registered_at: float | None = None
     cards: int = 0
+
+
+# -- containers ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RegistryAuth:
+    """Credentials for one pull; used for that pull only, never stored or logged."""
+
+    username: str = ""
+    password: str = attrs.field(default="", repr=False)
+
+
+@attrs.frozen
+class Resources:
+    """What a container may use; None leaves that resource unlimited."""
+
+    cpu_millis: int | None = None
+    memory_bytes: int | None = None
+    pids: int | None = None
+
+
+@attrs.frozen
+class ContainerSpec:
+    """What the controlplane asks a worker to run.
+
+    `command` replaces the image's entrypoint and `args` its cmd (Kubernetes' meaning of the
+    words); `user` is `uid[:gid]` or a name from the image's /etc/passwd; `snapshot` is the
+    digest of a snapshot layer (from this worker or copied here through the objects API) to
+    start from, on top of the image.
+    """
+
+    image: str
+    id: str | None = None
+    command: tuple[str, ...] | None = None
+    args: tuple[str, ...] | None = None
+    env: dict[str, str] = attrs.field(factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    cards: int = 0
+    resources: Resources = Resources()
+    ports: tuple[int, ...] = ()
+    snapshot: str | None = None
+    registry_auth: RegistryAuth | None = None
+    pull_policy: str = "if-not-present"
+    stop_grace_s: float = 10.0
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class PullStatus:
+    phase: str
+    done_bytes: int
+    total_bytes: int
+
+
+@attrs.frozen
+class ContainerStatus:
+    """A container as the worker reports it. `state` is one of pulling, creating, running,
+    stopping, exited, failed."""
+
+    id: str
+    image: str
+    state: str
+    created_at: float
+    image_digest: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    exit_code: int | None = None
+    oom_killed: bool = False
+    error: str | None = None
+    error_code: str | None = None
+    pull: PullStatus | None = None
+    address: str | None = None
+    ports: tuple[int, ...] = ()
+    cards: tuple[str, ...] = ()
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class ContainerList:
+    containers: tuple[ContainerStatus, ...]
+
+
+@attrs.frozen
+class StopRequest:
+    grace_s: float | None = None
+
+
+@attrs.frozen
+class SnapshotInfo:
+    """A container's filesystem changes, kept as one OCI layer in the object store."""
+
+    digest: str
+    size: int
+    diff_id: str
+    media_type: str
+    image: str
+    image_digest: str | None
+    container_id: str
+
+
+@attrs.frozen
+class ExecRequest:
+    """The first message of an exec WebSocket: what to run in the container."""
+
+    command: tuple[str, ...]
+    tty: bool = False
+    env: dict[str, str] = attrs.field(factory=dict)
+    workdir: str | None = None
+    rows: int = 24
+    cols: int = 80
+
+
+@attrs.frozen
+class ExecResize:
+    rows: int
+    cols: int
+
+
+@attrs.frozen
+class ExecExit:
+    exit_code: int
+
+
+@attrs.frozen
+class LogLine:
+    time: str
+    stream: str
+    text: str
+    partial: bool = False

@@ -13,6 +13,8 @@ one drained with GOAWAY, so requests in flight finish and new ones take the new 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import random
@@ -36,8 +38,18 @@ from agent.backoff import (
 from agent.client import ApiClient, open_api_client
 from agent.config import AgentConfig
 from agent.connection import Http2Connection
-from agent.gpus import GpuConfig, GpuSetupError, claim_cards
+from agent.container_routes import add_container_routes, resolve_container
+from agent.containers import ContainerManager, Gpus, open_container_manager
+from agent.gpus import (
+    CardLedger,
+    Claim,
+    GpuConfig,
+    GpuSetupError,
+    claim_cards,
+    discover_node_files,
+)
 from agent.models import ApiError, CardInfo, Registration
+from agent.object_routes import add_object_routes
 from agent.podresources import PodResourcesError
 from agent.service import ConnectPolicy, Service, bearer_auth
 from agent.tls import (
@@ -57,11 +69,20 @@ class TunnelRejected(Exception):
     """The controlplane refused the tunnel handshake (wrong token, unknown worker)."""
 
 
-def build_service(config: AgentConfig, state: WorkerState) -> Service:
+def build_service(
+    config: AgentConfig, state: WorkerState, manager: ContainerManager | None = None
+) -> Service:
+    router = build_router(state)
+    resolve_name = None
+    if manager is not None:
+        add_object_routes(router, manager.store)
+        add_container_routes(router, manager)
+        resolve_name = functools.partial(resolve_container, manager)
     return Service(
-        build_router(state),
+        router,
         authenticate=bearer_auth(config.token),
         connect_policy=ConnectPolicy(),
+        resolve_name=resolve_name,
         name=f"worker {config.worker_id}",
     )
 
@@ -82,8 +103,32 @@ async def run_agent(
 async def _serve(
     config: AgentConfig, state: WorkerState, task_status: trio.TaskStatus[int | None]
 ) -> None:
-    await claim_into(state, os.environ)
-    service = build_service(config, state)
+    claim = await claim_into(state, os.environ)
+    async with contextlib.AsyncExitStack() as stack:
+        manager = None
+        if config.containers is not None:
+            manager = await stack.enter_async_context(
+                open_container_manager(config.containers, gpus=_gpus(claim, os.environ))
+            )
+        service = build_service(config, state, manager)
+        await _serve_with(config, state, service, task_status)
+
+
+def _gpus(claim: Claim | None, environ: Mapping[str, str]) -> Gpus | None:
+    if claim is None or not claim.serving:
+        return None
+    gpu_config = GpuConfig.from_environ(environ)
+    return Gpus(
+        ledger=CardLedger.for_claim(claim), files=discover_node_files(gpu_config), config=gpu_config
+    )
+
+
+async def _serve_with(
+    config: AgentConfig,
+    state: WorkerState,
+    service: Service,
+    task_status: trio.TaskStatus[int | None],
+) -> None:
     async with trio.open_nursery() as nursery:
         if config.mode == "direct":
             cert_key = make_self_signed(f"levers9-worker-{config.worker_id}", _cert_hosts(config))
@@ -102,7 +147,7 @@ async def _serve(
             task_status.started(None)
 
 
-async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> None:
+async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> Claim | None:
     """Claim the cards Kubernetes gave this pod and record them (and any problem) in `state`.
 
     A node without a working driver still gets a worker that answers, reporting no cards and
@@ -113,7 +158,7 @@ async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> None:
     except (NvmlError, PodResourcesError, GpuSetupError) as exc:
         state.gpu_problems = (f"no cards claimed: {exc}",)
         log.warning("no cards claimed: %s", exc)
-        return
+        return None
     state.driver_version = claim.driver_version
     state.cards = tuple(
         CardInfo(
@@ -135,6 +180,7 @@ async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> None:
         len(claim.cards),
         claim.source,
     )
+    return claim
 
 
 def _cert_hosts(config: AgentConfig) -> list[str]:

@@ -16,8 +16,11 @@ import argparse
 import enum
 import json
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -31,6 +34,7 @@ from agent.gpus import (
     discover_node_files,
     read_assignment,
 )
+from agent.runc import checkpoint_support
 from nvml import NvmlUnavailableError, Snapshot, open_nvml
 
 
@@ -200,7 +204,134 @@ def gpu_section(context: SelfCheckContext) -> list[Check]:
     return checks
 
 
-SECTIONS: tuple[Section, ...] = (gpu_section,)
+# -- containers section ---------------------------------------------------------------------------
+
+
+def _command_version(argv: Sequence[str]) -> str | None:
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if result.returncode != 0:
+        return None
+    return (result.stdout or result.stderr).strip().splitlines()[0] if result.stdout else ""
+
+
+def containers_section(context: SelfCheckContext) -> list[Check]:
+    """Root, runc, the kernel's overlay filesystem and cgroups, nftables, the state directory,
+    and whether process checkpoints (criu) work here."""
+    checks: list[Check] = []
+    if os.geteuid() == 0:
+        checks.append(Check("containers", "root", Status.OK, "running as root"))
+    else:
+        checks.append(
+            Check(
+                "containers",
+                "root",
+                Status.FAIL,
+                "not running as root: containers need a privileged worker",
+                "run the worker pod privileged (the worker Job does)",
+            )
+        )
+    runc = _command_version(["runc", "--version"])
+    if runc is None:
+        checks.append(
+            Check("containers", "runc", Status.FAIL, "runc is missing or broken", "install runc")
+        )
+    else:
+        checks.append(Check("containers", "runc", Status.OK, runc))
+    try:
+        filesystems = Path("/proc/filesystems").read_text()
+    except OSError:
+        filesystems = ""
+    if "overlay" in filesystems.split():
+        checks.append(Check("containers", "overlayfs", Status.OK, "the kernel has overlayfs"))
+    else:
+        checks.append(
+            Check(
+                "containers",
+                "overlayfs",
+                Status.FAIL,
+                "the kernel does not list overlay in /proc/filesystems",
+                "load the overlay module (modprobe overlay) on the node",
+            )
+        )
+    memory = Path("/sys/fs/cgroup/memory")
+    unified = Path("/sys/fs/cgroup/cgroup.controllers")
+    if memory.is_dir() or (unified.is_file() and "memory" in unified.read_text()):
+        checks.append(Check("containers", "cgroups", Status.OK, "the memory controller is mounted"))
+    else:
+        checks.append(
+            Check(
+                "containers",
+                "cgroups",
+                Status.FAIL,
+                "no memory cgroup controller under /sys/fs/cgroup",
+                "mount the node's cgroup filesystem into the worker pod",
+            )
+        )
+    nft = _command_version(["nft", "--version"])
+    if nft is None:
+        checks.append(
+            Check(
+                "containers",
+                "nftables",
+                Status.FAIL,
+                "nft is missing: containers' NAT and metadata block need it",
+                "install nftables in the worker image",
+            )
+        )
+    else:
+        checks.append(Check("containers", "nftables", Status.OK, nft))
+    state_dir = Path(context.environ.get("LEVERS9_STATE_DIR") or "/var/lib/levers9")
+    probe = state_dir if state_dir.exists() else state_dir.parent
+    if state_dir.exists() and not state_dir.is_dir():
+        checks.append(
+            Check(
+                "containers",
+                "state dir",
+                Status.FAIL,
+                f"{state_dir} is not a directory",
+                "point LEVERS9_STATE_DIR at a node-local directory (the worker Job mounts one)",
+            )
+        )
+    elif os.access(probe, os.W_OK):
+        free = shutil.disk_usage(probe).free
+        checks.append(
+            Check(
+                "containers",
+                "state dir",
+                Status.OK,
+                f"{state_dir} is writable, {free >> 30} GiB free",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "containers",
+                "state dir",
+                Status.FAIL,
+                f"{state_dir} is not writable",
+                "mount a node-local hostPath there (the worker Job does) or set LEVERS9_STATE_DIR",
+            )
+        )
+    supported, why = checkpoint_support()
+    if supported:
+        checks.append(Check("containers", "checkpoint", Status.OK, "criu check passes"))
+    else:
+        checks.append(
+            Check(
+                "containers",
+                "checkpoint",
+                Status.WARN,
+                f"process checkpoint is unavailable on this node: {why}",
+                "filesystem snapshots work; for process checkpoints use a kernel criu supports",
+            )
+        )
+    return checks
+
+
+SECTIONS: tuple[Section, ...] = (gpu_section, containers_section)
 
 
 # -- running and showing --------------------------------------------------------------------------

@@ -212,6 +212,14 @@ def parse_authority(authority: str) -> tuple[str, int]:
     return host, port
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _decode(headers: Headers) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
 
@@ -229,11 +237,15 @@ class Service:
         *,
         authenticate: Authenticator,
         connect_policy: ConnectPolicy | None = None,
+        resolve_name: Callable[[str], str] | None = None,
         name: str = "worker",
     ) -> None:
         self.router = router
         self.authenticate = authenticate
         self.connect_policy = connect_policy
+        self.resolve_name = resolve_name
+        """Plain CONNECT to a name (not an address): the name → the address to dial, or
+        ApiError (containers' ports are reached as `<container id>:<port>`)."""
         self.name = name
 
     async def __call__(self, stream: H2Stream) -> None:
@@ -287,9 +299,7 @@ class Service:
             raise ApiError(ErrorCode.UNAUTHENTICATED, "missing or wrong bearer token")
         protocol = headers.get(":protocol")
         if method == "CONNECT" and protocol is None:
-            if self.connect_policy is None:
-                raise ApiError(ErrorCode.UNIMPLEMENTED, "CONNECT is not served here")
-            return await self._connect(stream, headers.get(":authority", ""), self.connect_policy)
+            return await self._connect(stream, headers.get(":authority", ""))
         if method == "CONNECT":
             if protocol != "websocket":
                 raise ApiError(
@@ -360,14 +370,20 @@ class Service:
                     await stream.send_data(chunk)
         await stream.end()
 
-    async def _connect(self, stream: H2Stream, authority: str, policy: ConnectPolicy) -> int:
+    async def _connect(self, stream: H2Stream, authority: str) -> int:
         host, port = parse_authority(authority)
-        policy.check(host, port)
+        if self.resolve_name is not None and not _is_address(host):
+            host = self.resolve_name(host)
+        elif self.connect_policy is not None:
+            self.connect_policy.check(host, port)
+        else:
+            raise ApiError(ErrorCode.UNIMPLEMENTED, "CONNECT is not served here")
         try:
             target = await trio.open_tcp_stream(host, port)
         except OSError as exc:
             raise ApiError(
-                ErrorCode.UNAVAILABLE, f"cannot reach {host}:{port} on the worker: {exc.strerror}"
+                ErrorCode.UNAVAILABLE,
+                f"cannot reach {host}:{port} on the worker: {exc.strerror or exc}",
             ) from None
         async with target:
             await stream.send_headers([(b":status", b"200")])

@@ -296,6 +296,7 @@ def agent_environment(
         LEVERS9_ADVERTISE_HOST="127.0.0.1",
         LEVERS9_REGISTER_INTERVAL_S="30",
         LEVERS9_LOG_LEVEL="WARNING",
+        LEVERS9_CONTAINERS="off",
     )
     return env
 

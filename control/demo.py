@@ -113,6 +113,7 @@ async def run_demo(workdir: Path) -> None:
                     LEVERS9_LISTEN="127.0.0.1:0",
                     LEVERS9_ADVERTISE_HOST="127.0.0.1",
                     LEVERS9_LOG_LEVEL="WARNING",
+                    LEVERS9_CONTAINERS="off",
                 )
                 agents.append(
                     await trio.lowlevel.open_process(

@@ -128,6 +128,21 @@ def test_agent_config_pops_the_token_and_hides_it() -> None:
     assert config.mode == "tunnel"
 
 
+def test_agent_runs_containers_unless_told_not_to() -> None:
+    config = load_config(
+        _env(
+            LEVERS9_STATE_DIR="/srv/levers9",
+            LEVERS9_OBJECT_BUDGET_BYTES="1048576",
+            LEVERS9_INSECURE_REGISTRIES="registry.lan:5000, 10.0.0.5:5000",
+        )
+    )
+    assert config.containers is not None
+    assert str(config.containers.state_dir) == "/srv/levers9"
+    assert config.containers.object_budget_bytes == 1 << 20
+    assert config.containers.insecure_registries == ("registry.lan:5000", "10.0.0.5:5000")
+    assert load_config(_env(LEVERS9_CONTAINERS="off")).containers is None
+
+
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
@@ -137,6 +152,9 @@ def test_agent_config_pops_the_token_and_hides_it() -> None:
         ({"LEVERS9_LISTEN": "7443"}, "LEVERS9_LISTEN must be HOST:PORT"),
         ({"LEVERS9_PING_INTERVAL_S": "soon"}, "LEVERS9_PING_INTERVAL_S must be a number"),
         ({"LEVERS9_CONTROLPLANE_CA": "/nonexistent/ca.pem"}, "which is not a file"),
+        ({"LEVERS9_CONTAINERS": "maybe"}, "LEVERS9_CONTAINERS must be 'on' or 'off'"),
+        ({"LEVERS9_STATE_DIR": "relative/dir"}, "LEVERS9_STATE_DIR must be an absolute path"),
+        ({"LEVERS9_OBJECT_BUDGET_BYTES": "10G"}, "LEVERS9_OBJECT_BUDGET_BYTES must be a whole"),
     ],
 )
 def test_agent_config_errors_name_the_variable(changes: dict[str, str], needle: str) -> None:

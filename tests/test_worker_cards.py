@@ -36,6 +36,7 @@ async def test_worker_reports_claimed_cards(
         LEVERS9_CONTROLPLANE_URL=f"https://127.0.0.1:{control.port}",
         LEVERS9_CONTROLPLANE_CA=str(pki.ca_file),
         LEVERS9_NODE_NAME="gpu-node-1",
+        LEVERS9_CONTAINERS="off",
     )
     process = await trio.lowlevel.open_process([sys.executable, "-m", "agent.cli", "run"], env=env)
     try:

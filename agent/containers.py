@@ -23,7 +23,14 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +54,7 @@ from agent.models import (
     PullStatus,
     SnapshotInfo,
 )
-from agent.network import ContainerNetwork, Networking, hosts_file, resolv_conf
+from agent.network import NETNS_DIR, ContainerNetwork, Networking, hosts_file, resolv_conf
 from agent.objects import ObjectStore, parse_digest
 from agent.ocispec import Limits, RuntimeSpec, exec_process, write_bundle
 from agent.rootfs import mount_overlay, overlay_mounts_under, unmount
@@ -501,6 +508,59 @@ class ContainerManager:
             container.timings[phase] = now - clock
             clock = now
 
+        # The network (two short-lived `ip` processes) is made while the image is pulled,
+        # unpacked and mounted and the bundle written: none of those needs its address.
+        making = _Background(self._nursery, self.networking.create, container.id)
+        try:
+            runtime = await self._prepare_rootfs(container, credentials, lap)
+            network = await making.result()
+        finally:
+            with trio.CancelScope(shield=True):
+                await making.cancel_and_wait()
+        directory = container.directory
+
+        def write_hosts() -> None:
+            (directory / "etc/hosts").write_text(hosts_file(runtime.hostname, network.address))
+
+        await trio.to_thread.run_sync(write_hosts)
+        self._update(container, network=network, runtime=runtime)
+        lap("prepare")
+        handle = await run_container(
+            self.runc,
+            container_id=container.id,
+            bundle=directory / "bundle",
+            log_path=container.log_path,
+            exit_path=directory / "exit.json",
+            log_max_bytes=self.config.log_max_bytes,
+            shim=self.shim,
+        )
+        lap("start")
+        self._update(
+            container,
+            state="running",
+            started_at=time.time(),
+            shim_pid=handle.shim_pid,
+            container_pid=handle.pid,
+        )
+        log.info(
+            "container %s running (image %s)",
+            container.id,
+            spec.image,
+            extra={
+                "container": container.id,
+                **{f"{k}_ms": round(v * 1000, 1) for k, v in container.timings.items()},
+            },
+        )
+        self._nursery.start_soon(self._evict)
+
+    async def _prepare_rootfs(
+        self,
+        container: Container,
+        credentials: RegistryCredentials | None,
+        lap: Callable[[str], None],
+    ) -> RuntimeSpec:
+        """Pull, unpack, mount the rootfs and write the bundle; returns the runtime spec."""
+        spec = container.record.spec
         image = await self.puller.pull(
             spec.image,
             credentials=credentials,
@@ -534,10 +594,6 @@ class ContainerManager:
         )
         directory = container.directory
         rootfs = directory / "rootfs"
-        networks: list[ContainerNetwork] = []
-
-        async def make_network() -> None:
-            networks.append(await self.networking.create(container.id))
 
         def make_rootfs() -> tuple[str, str]:
             for name in ("upper", "work", "rootfs", "etc"):
@@ -551,21 +607,17 @@ class ContainerManager:
             )
             return _read_text(rootfs / "etc/passwd"), _read_text(rootfs / "etc/group")
 
-        # The network (two short-lived `ip` processes) is made while the rootfs is mounted.
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(make_network)
-            passwd, group = await trio.to_thread.run_sync(make_rootfs)
-        network = networks[0]
+        passwd, group = await trio.to_thread.run_sync(make_rootfs)
         uid, gid, extra_gids = resolve_user(
             spec.user if spec.user is not None else image.config.user, passwd, group
         )
         argv = process_args(spec, image.config.entrypoint, image.config.cmd)
         env = merge_env(image.config.env, spec.env)
         gpu_fragment = None
-        cards: tuple[str, ...] = ()
         if spec.cards:
             gpu_fragment, cards = self._assign_cards(container, env)
             env = list(gpu_fragment["process"]["env"])
+            self._update(container, cards=cards)
         hostname = container.id[:63]
         runtime = RuntimeSpec(
             container_id=container.id,
@@ -577,7 +629,9 @@ class ContainerManager:
             gid=gid,
             additional_gids=extra_gids,
             hostname=hostname,
-            netns_path=network.netns_path,
+            # The namespace's path follows from the container's id; the network itself is
+            # being made meanwhile and exists before runc runs.
+            netns_path=str(NETNS_DIR / self.networking.netns_name(container.id)),
             limits=Limits(
                 cpu_millis=spec.resources.cpu_millis,
                 memory_bytes=spec.resources.memory_bytes,
@@ -590,7 +644,6 @@ class ContainerManager:
         )
 
         def write_files() -> None:
-            (directory / "etc/hosts").write_text(hosts_file(hostname, network.address))
             (directory / "etc/hostname").write_text(hostname + "\n")
             (directory / "etc/resolv.conf").write_text(
                 resolv_conf(_read_text(Path("/etc/resolv.conf")))
@@ -598,35 +651,7 @@ class ContainerManager:
             write_bundle(directory / "bundle", runtime)
 
         await trio.to_thread.run_sync(write_files)
-        self._update(container, network=network, cards=cards, runtime=runtime)
-        lap("prepare")
-        handle = await run_container(
-            self.runc,
-            container_id=container.id,
-            bundle=directory / "bundle",
-            log_path=container.log_path,
-            exit_path=directory / "exit.json",
-            log_max_bytes=self.config.log_max_bytes,
-            shim=self.shim,
-        )
-        lap("start")
-        self._update(
-            container,
-            state="running",
-            started_at=time.time(),
-            shim_pid=handle.shim_pid,
-            container_pid=handle.pid,
-        )
-        log.info(
-            "container %s running (image %s)",
-            container.id,
-            spec.image,
-            extra={
-                "container": container.id,
-                **{f"{k}_ms": round(v * 1000, 1) for k, v in container.timings.items()},
-            },
-        )
-        self._nursery.start_soon(self._evict)
+        return runtime
 
     async def _snapshot_layer(self, container: Container, digest: str) -> Any:
         if not self.store.contains(digest):
@@ -985,6 +1010,41 @@ class ContainerManager:
     async def _stop_quietly(self, container_id: str) -> None:
         with contextlib.suppress(ApiError):
             await self.stop(container_id)
+
+
+class _Background:
+    """One call run in another nursery's task, whose result (or error) is awaited later; the
+    awaiting task's errors stay its own (no exception group)."""
+
+    def __init__(
+        self, nursery: trio.Nursery, fn: Callable[..., Awaitable[Any]], *args: Any
+    ) -> None:
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        nursery.start_soon(self._run, fn, args)
+
+    async def _run(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        try:
+            with self._scope:
+                self._value = await fn(*args)
+        except Exception as exc:
+            self._error = exc
+        finally:
+            self._done.set()
+
+    async def result(self) -> Any:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._scope.cancelled_caught:
+            raise ApiError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
+        return self._value
+
+    async def cancel_and_wait(self) -> None:
+        self._scope.cancel()
+        await self._done.wait()
 
 
 class _LogReader:

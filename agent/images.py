@@ -935,7 +935,8 @@ class ImagePuller:
             raise _bad_manifest(
                 what, f"its config lists {len(diff_ids)} diff_ids for {len(layers)} layers"
             )
-        if ref.tag is not None and ref.digest is None:
+        if ref.tag is not None and ref.digest is None and not cached:
+            # A tag resolved from the index already maps to `top`: nothing to write.
             await self.tags.put(str(ref), top)
         image = PulledImage(
             reference=str(ref),

@@ -111,8 +111,9 @@ def opaque(directory: str) -> str:
 def layer_tar(files: Mapping[str, Entry]) -> bytes:
     """An uncompressed layer tar of `files` (path -> entry; bytes mean a 0644 root file).
 
-    Missing parent directories are added (0755, root), entries are sorted, and every mtime is
-    fixed, so the same files always make the same bytes."""
+    Missing parent directories are added (0755, root), entries are sorted (hard links last, as
+    a tar needs a link's target earlier in the archive), and every mtime is fixed, so the same
+    files always make the same bytes."""
     entries: dict[str, Entry] = {}
     for raw_path, entry in files.items():
         path = raw_path.strip("/")
@@ -122,7 +123,7 @@ def layer_tar(files: Mapping[str, Entry]) -> bytes:
         entries[path] = entry
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(entries):
+        for path in sorted(entries, key=lambda p: (isinstance(entries[p], Hardlink), p)):
             entry = entries[path]
             info = tarfile.TarInfo(path)
             info.mtime = EPOCH

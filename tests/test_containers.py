@@ -122,6 +122,34 @@ async def test_runs_a_command_and_keeps_its_logs_and_exit_code(
     await assert_nothing_left(manager, "logs-and-exit")
 
 
+async def test_a_layered_image_shows_its_deletions_and_opaque_dirs(
+    manager: ContainerManager, registry: SharedRegistry
+) -> None:
+    await run_to_end(
+        manager,
+        ContainerSpec(
+            image=registry.layered,
+            id="layered",
+            command=(
+                "sh",
+                "-c",
+                "ls /data; echo --; ls /data/dir; stat -c '%a %u' /data/owned.txt",
+            ),
+        ),
+    )
+    texts = [line.text for line in await logs_of(manager, "layered")]
+    assert texts == [
+        "dir",
+        "hard.txt",
+        "keep.txt",
+        "link",
+        "owned.txt",
+        "--",
+        "new.txt",
+        "640 65534",
+    ]
+
+
 async def test_image_settings_user_workdir_and_env_reach_the_process(
     manager: ContainerManager, registry: SharedRegistry
 ) -> None:

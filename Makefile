@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests, the demo and the benchmarks use.
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
-	runc docker-registry busybox-static nftables criu apache2-utils
+	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone
 
 .PHONY: deps install test lint bench demo clean
 
@@ -47,6 +47,7 @@ bench: deps install
 	@mkdir -p bench-results
 	$(BIN)/python -m bench.tunnel --json bench-results/tunnel.json
 	$(BIN)/python -m bench.containers --json bench-results/containers.json
+	$(BIN)/python -m bench.volumes --json bench-results/volumes.json
 
 demo: deps install
 	$(BIN)/python -m control.demo

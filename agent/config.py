@@ -48,6 +48,8 @@ class ContainerConfig:
     log_max_bytes: int = 10 << 20
     insecure_registries: tuple[str, ...] = ()
     registry_ca_file: str | None = None
+    bucket_ca_file: str | None = None
+    """A CA for bucket endpoints with private certificates (the system's CAs otherwise)."""
     runc_binary: str = "runc"
     stop_on_shutdown: bool = True
     """Stop every container when the agent shuts down cleanly (the worker is going away); an
@@ -120,6 +122,13 @@ def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _existing_file(env: Mapping[str, str], name: str) -> str | None:
+    path = env.get(ENV_PREFIX + name) or None
+    if path is not None and not os.path.isfile(path):
+        raise ConfigError(f"{ENV_PREFIX}{name} names {path!r}, which is not a file")
+    return path
+
+
 def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
     switch = env.get(ENV_PREFIX + "CONTAINERS", "on").lower()
     if switch not in ("on", "off"):
@@ -144,6 +153,7 @@ def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
         log_max_bytes=_bytes(env, "LOG_MAX_BYTES", 10 << 20),
         insecure_registries=insecure,
         registry_ca_file=ca_file,
+        bucket_ca_file=_existing_file(env, "BUCKET_CA"),
     )
 
 

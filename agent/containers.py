@@ -53,10 +53,11 @@ from agent.models import (
     LogLine,
     PullStatus,
     SnapshotInfo,
+    VolumeSpec,
 )
 from agent.network import NETNS_DIR, ContainerNetwork, Networking, hosts_file, resolv_conf
 from agent.objects import ObjectStore, parse_digest
-from agent.ocispec import Limits, RuntimeSpec, exec_process, write_bundle
+from agent.ocispec import Bind, Limits, RuntimeSpec, exec_process, write_bundle
 from agent.rootfs import mount_overlay, overlay_mounts_under, unmount
 from agent.runc import (
     ExitStatus,
@@ -70,6 +71,7 @@ from agent.runc import (
     wait_exit,
 )
 from agent.shim import shim_path
+from agent.volumes import Volumes, validate_volume
 
 log = logging.getLogger("levers9.containers")
 
@@ -82,6 +84,7 @@ LOG_POLL_S = 0.1
 MIN_MEMORY_BYTES = 8 << 20
 
 FINISHED = ("exited", "failed")
+MAX_EVENTS = 20
 
 
 @attrs.frozen
@@ -115,6 +118,9 @@ class ContainerRecord:
     state: str = "creating"
     error: str | None = None
     error_code: str | None = None
+    events: tuple[str, ...] = ()
+    """What the container's owner should know that is not an error of its own (a bucket
+    remounted, an upload that failed), newest last."""
 
 
 @attrs.define(eq=False)
@@ -176,6 +182,7 @@ class Container:
             ports=r.spec.ports,
             cards=r.cards,
             labels=r.spec.labels,
+            events=r.events,
         )
 
 
@@ -261,6 +268,22 @@ def validate_spec(spec: ContainerSpec, *, node_memory_bytes: int) -> None:
         )
     if spec.snapshot is not None:
         parse_digest(spec.snapshot, field="snapshot")
+    seen: set[str] = set()
+    for i, volume in enumerate(spec.volumes):
+        try:
+            validate_volume(volume)
+        except ApiError as exc:
+            raise ApiError(
+                exc.code, f"volumes[{i}]: {exc.message}", field=f"volumes[{i}].{exc.field}"
+            ) from None
+        path = volume.mount_path.rstrip("/")
+        if path in seen:
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"volumes[{i}].mountPath {volume.mount_path} is used by another volume",
+                field=f"volumes[{i}].mountPath",
+            )
+        seen.add(path)
     if spec.stop_grace_s < 0:
         raise ApiError(
             ErrorCode.INVALID_ARGUMENT, "stopGraceS must be 0 or more", field="stopGraceS"
@@ -380,8 +403,10 @@ class ContainerManager:
         shim: Path,
         nursery: trio.Nursery,
         gpus: Gpus | None = None,
+        volumes: Volumes | None = None,
     ) -> None:
         self.config = config
+        self.volumes = volumes
         self.store = store
         self.puller = puller
         self.layers = layers
@@ -444,9 +469,15 @@ class ContainerManager:
             credentials = RegistryCredentials(
                 username=spec.registry_auth.username, password=spec.registry_auth.password
             )
+        # The record is on disk: no registry password and no bucket credentials in it.
         record = ContainerRecord(
             id=container_id,
-            spec=attrs.evolve(spec, id=container_id, registry_auth=None),
+            spec=attrs.evolve(
+                spec,
+                id=container_id,
+                registry_auth=None,
+                volumes=tuple(attrs.evolve(v, s3=None, gcs=None) for v in spec.volumes),
+            ),
             created_at=time.time(),
             state="pulling",
         )
@@ -454,7 +485,7 @@ class ContainerManager:
         self._containers[container_id] = container
         container.directory.mkdir(parents=True, exist_ok=True)
         self._save(container)
-        self._nursery.start_soon(self._create, container, credentials)
+        self._nursery.start_soon(self._create, container, credentials, spec.volumes)
         return container
 
     async def wait_settled(self, container: Container) -> Container:
@@ -463,10 +494,15 @@ class ContainerManager:
             raise container.failure
         return container
 
-    async def _create(self, container: Container, credentials: RegistryCredentials | None) -> None:
+    async def _create(
+        self,
+        container: Container,
+        credentials: RegistryCredentials | None,
+        volumes: tuple[VolumeSpec, ...],
+    ) -> None:
         try:
             with container.cancel_scope:
-                await self._build_and_start(container, credentials)
+                await self._build_and_start(container, credentials, volumes)
         except ApiError as exc:
             container.failure = exc
         except Exception as exc:
@@ -497,7 +533,10 @@ class ContainerManager:
         await self._watch(container)
 
     async def _build_and_start(
-        self, container: Container, credentials: RegistryCredentials | None
+        self,
+        container: Container,
+        credentials: RegistryCredentials | None,
+        volumes: tuple[VolumeSpec, ...],
     ) -> None:
         spec = container.record.spec
         clock = time.monotonic()
@@ -512,7 +551,8 @@ class ContainerManager:
         # unpacked and mounted and the bundle written: none of those needs its address.
         making = _Background(self._nursery, self.networking.create, container.id)
         try:
-            runtime = await self._prepare_rootfs(container, credentials, lap)
+            binds = await self._mount_volumes(container, volumes)
+            runtime = await self._prepare_rootfs(container, credentials, binds, lap)
             network = await making.result()
         finally:
             with trio.CancelScope(shield=True):
@@ -553,10 +593,37 @@ class ContainerManager:
         )
         self._nursery.start_soon(self._evict)
 
+    async def _mount_volumes(
+        self, container: Container, volumes: Sequence[VolumeSpec]
+    ) -> tuple[Bind, ...]:
+        """Each bucket mounted (or shared) and probed for this container; bound into it with
+        slave propagation, so a remount after rclone died reaches it."""
+        if not volumes:
+            return ()
+        if self.volumes is None:
+            raise ApiError(
+                ErrorCode.FAILED_PRECONDITION,
+                "this worker mounts no buckets; start it with volumes enabled",
+                field="volumes",
+            )
+        binds = []
+        for volume in volumes:
+            mounted = await self.volumes.acquire(volume, container.id)
+            binds.append(
+                Bind(
+                    source=str(mounted.host_path),
+                    destination=volume.mount_path,
+                    read_only=volume.read_only,
+                    propagation="rslave",
+                )
+            )
+        return tuple(binds)
+
     async def _prepare_rootfs(
         self,
         container: Container,
         credentials: RegistryCredentials | None,
+        binds: tuple[Bind, ...],
         lap: Callable[[str], None],
     ) -> RuntimeSpec:
         """Pull, unpack, mount the rootfs and write the bundle; returns the runtime spec."""
@@ -638,6 +705,7 @@ class ContainerManager:
                 pids=spec.resources.pids,
             ),
             gpu=gpu_fragment,
+            binds=binds,
             hosts_file=str(directory / "etc/hosts"),
             resolv_conf=str(directory / "etc/resolv.conf"),
             hostname_file=str(directory / "etc/hostname"),
@@ -744,6 +812,14 @@ class ContainerManager:
         await step("network", self.networking.delete, cid)
         if self.gpus is not None:
             self.gpus.ledger.release(cid)
+        if self.volumes is not None:
+            # After the container is gone: waits for its uploads, unmounts what no one holds.
+            try:
+                failed = await self.volumes.release(cid)
+            except Exception as exc:
+                failed = [f"releasing its buckets failed: {exc}"]
+            for message in failed:
+                self._event(container, message)
         for problem in problems:
             log.warning("container %s cleanup: %s", cid, problem)
 
@@ -888,6 +964,17 @@ class ContainerManager:
         finally:
             reader.close()
 
+    def _event(self, container: Container, message: str) -> None:
+        log.warning("container %s: %s", container.id, message)
+        self._update(container, events=(*container.record.events, message)[-MAX_EVENTS:])
+
+    def volume_event(self, holders: tuple[str, ...], message: str) -> None:
+        """What the bucket mounts report (a remount, a failed upload), kept on each holder."""
+        for holder in holders:
+            container = self._containers.get(holder)
+            if container is not None:
+                self._event(container, message)
+
     # -- persistence and recovery ----------------------------------------------------------------
 
     def _update(self, container: Container, **changes: Any) -> None:
@@ -962,6 +1049,23 @@ class ContainerManager:
         if exit_status is not None or (state is not None and state.status == "stopped"):
             log.info("container %s ended while the agent was away", record.id)
             await self._finish(container, exit_status)
+        elif record.spec.volumes and state is not None and state.status in ("running", "paused"):
+            # Bucket credentials are held in memory only: the new agent cannot remount or
+            # look after them, so such a container is stopped rather than left half served.
+            log.warning("stopping container %s: its buckets cannot be kept up", record.id)
+            with contextlib.suppress(ApiError):
+                await self.runc.kill(record.id, signal.SIGKILL, all_processes=True)
+            with trio.CancelScope(shield=True):
+                await self._teardown(container)
+            self._update(
+                container,
+                state="failed",
+                finished_at=time.time(),
+                error="stopped after an agent restart: its bucket credentials were held in "
+                "memory by the previous agent; create it again",
+                error_code=ErrorCode.UNAVAILABLE.name,
+            )
+            container.finished.set()
         elif shim_alive and state is not None and state.status in ("running", "paused"):
             log.info("re-adopting running container %s", record.id)
             if self.gpus is not None and record.cards:
@@ -1157,8 +1261,22 @@ async def _open_manager(
         insecure_registries=config.insecure_registries,
         ca_file=config.registry_ca_file,
     )
+    managers: list[ContainerManager] = []
+
+    def on_volume_event(holders: tuple[str, ...], message: str) -> None:
+        for manager in managers:
+            manager.volume_event(holders, message)
+
+    volumes = Volumes(
+        config.state_dir / "volumes",
+        on_event=on_volume_event,
+        ca_file=Path(config.bucket_ca_file) if config.bucket_ca_file else None,
+    )
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(volumes.run)
+            for stale in await volumes.sweep():
+                log.warning("unmounted bucket %s left by a previous agent", stale)
             manager = ContainerManager(
                 config,
                 store=store,
@@ -1169,7 +1287,9 @@ async def _open_manager(
                 shim=shim,
                 nursery=nursery,
                 gpus=gpus,
+                volumes=volumes,
             )
+            managers.append(manager)
             await manager.recover()
             try:
                 yield manager

@@ -225,6 +225,43 @@ class Resources:
     pids: int | None = None
 
 
+# -- volumes (validated and mounted by agent.volumes) ----------------------------------------------
+
+
+@attrs.frozen
+class S3Credentials:
+    """Keys for an S3 bucket (AWS when `endpoint` is None, else any S3-compatible store)."""
+
+    access_key_id: str = attrs.field(repr=False)
+    secret_access_key: str = attrs.field(repr=False)
+    session_token: str | None = attrs.field(default=None, repr=False)
+    endpoint: str | None = None
+    """`https://host[:port]`; None means AWS S3 in `region`."""
+    region: str = "us-east-1"
+
+
+@attrs.frozen
+class GcsCredentials:
+    """A service-account key (JSON) or HMAC keys (GCS's S3-compatible API); exactly one."""
+
+    service_account_json: str | None = attrs.field(default=None, repr=False)
+    hmac_access_id: str | None = attrs.field(default=None, repr=False)
+    hmac_secret: str | None = attrs.field(default=None, repr=False)
+
+
+@attrs.frozen
+class VolumeSpec:
+    """One volume of a container spec: the workspace's bucket at `mount_path` in the container,
+    with that workspace's credentials (held in memory only; never echoed back)."""
+
+    workspace: str
+    url: str
+    mount_path: str
+    read_only: bool = False
+    s3: S3Credentials | None = None
+    gcs: GcsCredentials | None = None
+
+
 @attrs.frozen
 class ContainerSpec:
     """What the controlplane asks a worker to run.
@@ -246,6 +283,7 @@ class ContainerSpec:
     resources: Resources = Resources()
     ports: tuple[int, ...] = ()
     snapshot: str | None = None
+    volumes: tuple[VolumeSpec, ...] = ()
     registry_auth: RegistryAuth | None = None
     pull_policy: str = "if-not-present"
     stop_grace_s: float = 10.0
@@ -280,6 +318,7 @@ class ContainerStatus:
     ports: tuple[int, ...] = ()
     cards: tuple[str, ...] = ()
     labels: dict[str, str] = attrs.field(factory=dict)
+    events: tuple[str, ...] = ()
 
 
 @attrs.frozen

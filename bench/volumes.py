@@ -1,0 +1,213 @@
+"""Bucket volumes: a file written and read through our rclone FUSE mount against the same
+transfer made with boto3 straight to the same S3 server, in the same run.
+
+The server is moto over TLS with credentials enforced (`tests.s3_server`), on loopback. Both
+paths move one file of random bytes (256 MiB, 64 MiB with `--quick`), as one object:
+
+- write, ours: open, write in 1 MiB blocks, close, and wait until the upload is done
+  (`Volumes.wait_uploaded`): the clock stops when the object is in the bucket, which is when a
+  container's write is durable. Anchor: one `put_object` of the same bytes, sent as rclone
+  sends it: a single PUT with a Content-MD5 (computed inside the timing) and an unsigned
+  payload. Not boto3's default, which streams the body aws-chunked with a CRC32 trailer: moto
+  decodes that in Python at about 20 MB/s, so the anchor would measure moto, not a transfer.
+- read, ours: a fresh mount (released and acquired again, so rclone's cache is empty and the
+  kernel has no pages of the file) read in 1 MiB blocks; with `--vfs-cache-mode writes` a
+  read streams from the store. Anchor: `get_object` read in 1 MiB blocks.
+
+Ours and the anchor take turns for each figure and each is the median of its repeats, so
+both see the same machine. MB/s is 10^6 bytes per second.
+
+    python -m bench.volumes [--quick] --json FILE
+
+Needs root, rclone and fuse3 (`make deps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import boto3
+import trio
+from botocore.config import Config
+
+from agent.volumes import Volumes, VolumeSpec
+from bench.report import render_table, write_report
+from tests.s3_server import S3Server, S3User, s3_credentials, start_s3_server
+
+QUICK = {"bytes": 64 << 20, "repeats": 2}
+FULL = {"bytes": 256 << 20, "repeats": 3}
+BLOCK_BYTES = 1 << 20
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _write_blocks(path: Path, data: bytes) -> None:
+    view = memoryview(data)
+    with open(path, "wb") as file:
+        for start in range(0, len(view), BLOCK_BYTES):
+            file.write(view[start : start + BLOCK_BYTES])
+
+
+def _read_blocks(path: Path) -> int:
+    total = 0
+    with open(path, "rb", buffering=0) as file:
+        while block := file.read(BLOCK_BYTES):
+            total += len(block)
+    return total
+
+
+def _direct_put(client: Any, bucket: str, key: str, data: bytes) -> None:
+    md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
+    client.put_object(Bucket=bucket, Key=key, Body=data, ContentMD5=md5)
+
+
+def _direct_client(server: S3Server, user: S3User) -> Any:
+    """boto3 sending what rclone sends (see the module docstring)."""
+    return boto3.client(
+        "s3",
+        endpoint_url=server.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=user.access_key_id,
+        aws_secret_access_key=user.secret_access_key,
+        verify=str(server.ca_file),
+        config=Config(
+            s3={"addressing_style": "path", "payload_signing_enabled": False},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
+
+
+def _direct_get(client: Any, bucket: str, key: str) -> int:
+    body = client.get_object(Bucket=bucket, Key=key)["Body"]
+    total = 0
+    while block := body.read(BLOCK_BYTES):
+        total += len(block)
+    return total
+
+
+def _stored_size(client: Any, key: str) -> int:
+    return int(client.head_object(Bucket="bucket-a", Key=key)["ContentLength"])
+
+
+def _delete(client: Any, key: str) -> None:
+    client.delete_object(Bucket="bucket-a", Key=key)
+
+
+def _mb_s(size: int, seconds: float) -> float:
+    return size / seconds / 1e6
+
+
+async def measure(workdir: Path, server: S3Server, size: int, repeats: int) -> dict[str, float]:
+    user = server.users["a"]
+    client = _direct_client(server, user)
+    data = os.urandom(size)
+    spec = VolumeSpec("bench", "s3://bucket-a/bench", "/data", s3=s3_credentials(server, user))
+    volumes = Volumes(workdir / "volumes", ca_file=server.ca_file)
+    samples: dict[str, list[float]] = {}
+
+    def sample(name: str, value: float) -> None:
+        samples.setdefault(name, []).append(value)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(volumes.run)
+        for repeat in range(repeats):
+            key = f"file-{repeat}.bin"
+
+            began = time.perf_counter()
+            mounted = await volumes.acquire(spec, f"writer-{repeat}")
+            sample("acquire_ms", (time.perf_counter() - began) * 1000)
+            began = time.perf_counter()
+            await trio.to_thread.run_sync(_write_blocks, mounted.host_path / key, data)
+            problems = await volumes.wait_uploaded(f"writer-{repeat}")
+            sample("write_mb_s", _mb_s(size, time.perf_counter() - began))
+            if problems:
+                raise RuntimeError(f"upload failed: {problems}")
+            began = time.perf_counter()
+            await volumes.release(f"writer-{repeat}")
+            sample("release_ms", (time.perf_counter() - began) * 1000)
+            assert await trio.to_thread.run_sync(_stored_size, client, f"bench/{key}") == size
+
+            began = time.perf_counter()
+            await trio.to_thread.run_sync(_direct_put, client, "bucket-a", f"direct/{key}", data)
+            sample("direct_write_mb_s", _mb_s(size, time.perf_counter() - began))
+
+            mounted = await volumes.acquire(spec, f"reader-{repeat}")
+            began = time.perf_counter()
+            read = await trio.to_thread.run_sync(_read_blocks, mounted.host_path / key)
+            sample("read_mb_s", _mb_s(size, time.perf_counter() - began))
+            assert read == size
+            await volumes.release(f"reader-{repeat}")
+
+            began = time.perf_counter()
+            read = await trio.to_thread.run_sync(_direct_get, client, "bucket-a", f"direct/{key}")
+            sample("direct_read_mb_s", _mb_s(size, time.perf_counter() - began))
+            assert read == size
+
+            for done in (f"bench/{key}", f"direct/{key}"):
+                await trio.to_thread.run_sync(_delete, client, done)
+            _say(
+                f"repeat {repeat + 1}/{repeats}: write {samples['write_mb_s'][-1]:.0f} vs "
+                f"{samples['direct_write_mb_s'][-1]:.0f} MB/s, read "
+                f"{samples['read_mb_s'][-1]:.0f} vs {samples['direct_read_mb_s'][-1]:.0f} MB/s"
+            )
+        nursery.cancel_scope.cancel()
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.volumes",
+        description="Writes and reads through the bucket mount against boto3, in one run.",
+    )
+    parser.add_argument("--quick", action="store_true", help="64 MiB instead of 256 MiB")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    _say(f"{plan['bytes'] >> 20} MiB, {plan['repeats']} repeats, ours and boto3 in turns")
+    with tempfile.TemporaryDirectory(prefix="levers9-bench-volumes-", dir="/var/tmp") as tmp:
+        workdir = Path(tmp)
+        server = start_s3_server(workdir / "s3", ("a",))
+        try:
+            medians = trio.run(measure, workdir, server, plan["bytes"], plan["repeats"])
+        finally:
+            server.stop()
+    figures = {
+        "write_mb_s": medians["write_mb_s"],
+        "read_mb_s": medians["read_mb_s"],
+        "acquire_ms": medians["acquire_ms"],
+        "release_ms": medians["release_ms"],
+        "file_mib": float(plan["bytes"] >> 20),
+    }
+    anchors = {
+        "direct_write_mb_s": medians["direct_write_mb_s"],
+        "direct_read_mb_s": medians["direct_read_mb_s"],
+    }
+    ratios = {
+        "write_vs_direct": figures["write_mb_s"] / anchors["direct_write_mb_s"],
+        "read_vs_direct": figures["read_mb_s"] / anchors["direct_read_mb_s"],
+    }
+    rows: list[tuple[str, ...]] = [
+        (name, f"{value:.1f}") for name, value in {**figures, **anchors}.items()
+    ]
+    rows += [(f"ratio {name}", f"{value:.3f}") for name, value in ratios.items()]
+    print(render_table(rows, ("figure", "value")))
+    print("targets: write_vs_direct >= 0.6, read_vs_direct >= 0.6")
+    if args.json:
+        write_report(args.json, figures=figures, ratios=ratios, anchors=anchors)
+
+
+if __name__ == "__main__":
+    main()

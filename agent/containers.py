@@ -649,8 +649,11 @@ class ContainerManager:
             unpacked.append(await self._snapshot_layer(container, spec.snapshot))
             layer_digests.append(spec.snapshot)
         lap("unpack")
+        # Kept in memory only until the network and runtime are known (one write, below): a
+        # restart before then finds nothing running and cleans up by the container's id.
         self._update(
             container,
+            save=False,
             state="creating",
             image=ImageRecord(
                 reference=image.reference,
@@ -977,9 +980,10 @@ class ContainerManager:
 
     # -- persistence and recovery ----------------------------------------------------------------
 
-    def _update(self, container: Container, **changes: Any) -> None:
+    def _update(self, container: Container, *, save: bool = True, **changes: Any) -> None:
         container.record = attrs.evolve(container.record, **changes)
-        self._save(container)
+        if save:
+            self._save(container)
 
     def _save(self, container: Container) -> None:
         _write_json(container.directory / "record.json", container.record)

@@ -805,6 +805,8 @@ class ImagePuller:
             headers={"User-Agent": _USER_AGENT},
         )
         self.tags = TagIndex((state_dir or store.root) / "images" / "tags.json")
+        self._resolved: dict[str, PulledImage] = {}
+        """Reference → what it resolved to, for `if-not-present` starts of a known image."""
         self._flights: dict[str, _Flight] = {}
         self._verified: set[str] = set()
         self._tokens: dict[tuple[str, str, str], tuple[str, float]] = {}
@@ -856,14 +858,24 @@ class ImagePuller:
         ref = ImageReference.parse(reference)
         progress = progress if progress is not None else PullProgress()
         progress.phase = "resolving"
+        known = self._resolved.get(str(ref)) if policy == "if-not-present" else None
+        if known is not None and all(self.store.contains(d) for d in known.blobs):
+            # Resolved by this puller before and every blob still here: a cached start asks
+            # neither the registry nor the disk's tag index.
+            total = sum(layer.size for layer in known.layers)
+            progress.done_bytes = progress.total_bytes = total
+            progress.phase = "done"
+            return known
         # The pull's own pins keep what it has stored from eviction by its later ingests.
         # They are dropped without a checkpoint before returning, so a caller that pins
         # `blobs` straight away leaves no gap.
         owner = f"pull:{secrets.token_hex(8)}"
         try:
-            return await self._pull(ref, credentials, policy, progress, owner)
+            image = await self._pull(ref, credentials, policy, progress, owner)
         finally:
             self.store.unpin_owner(owner)
+        self._resolved[str(ref)] = image
+        return image
 
     async def _pull(
         self,

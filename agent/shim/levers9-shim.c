@@ -184,14 +184,18 @@ static void open_devnull_on(int target) {
     }
 }
 
-static void write_file_atomic(const char *path, const char *data, size_t len) {
+/* Readers never see a partial file (rename). `durable` also survives the node going down:
+ * the exit status does; the shim's pid does not need to (no process survives a reboot), and an
+ * fsync there would sit on every container's start. */
+static void write_file_atomic(const char *path, const char *data, size_t len, int durable) {
     char partial[PATH_MAX];
     snprintf(partial, sizeof partial, "%s.tmp", path);
     int fd = open(partial, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0)
         return;
     write_all(fd, data, len);
-    fsync(fd);
+    if (durable)
+        fsync(fd);
     close(fd);
     rename(partial, path);
 }
@@ -408,7 +412,7 @@ static void write_exit_file(int status, const char *finished_at) {
         snprintf(signal_text, sizeof signal_text, "%d", WTERMSIG(status));
     int n = snprintf(json, sizeof json, "{\"exitCode\": %d, \"signal\": %s, \"finishedAt\": \"%s\"}\n",
                      exit_code_of(status), signal_text, finished_at);
-    write_file_atomic(opt.exit_path, json, (size_t)n);
+    write_file_atomic(opt.exit_path, json, (size_t)n, 1);
 }
 
 static void detach(void) {
@@ -469,7 +473,7 @@ static int run_main(void) {
      * who to wait for. */
     char pid_text[32];
     int len = snprintf(pid_text, sizeof pid_text, "%d\n", (int)getpid());
-    write_file_atomic(opt.shim_pid_file, pid_text, (size_t)len);
+    write_file_atomic(opt.shim_pid_file, pid_text, (size_t)len, 0);
     char *argv[] = {(char *)opt.runc, "--root", (char *)opt.root, "--log", (char *)opt.runc_log,
                     "--log-format", "json", "run", "--detach", "--pid-file", (char *)opt.pid_file,
                     "--bundle", (char *)opt.bundle, (char *)opt.id, NULL};

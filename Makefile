@@ -48,6 +48,7 @@ bench: deps install
 	$(BIN)/python -m bench.tunnel --json bench-results/tunnel.json
 	$(BIN)/python -m bench.containers --json bench-results/containers.json
 	$(BIN)/python -m bench.volumes --json bench-results/volumes.json
+	$(BIN)/python -m bench.reconcile --json bench-results/reconcile.json
 
 demo: deps install
 	$(BIN)/python -m control.demo

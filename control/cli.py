@@ -117,6 +117,52 @@ async def worker_get(args: argparse.Namespace) -> None:
     )
 
 
+def _gib(value: int) -> str:
+    return f"{value / (1 << 30):.1f}Gi"
+
+
+async def machine_list(args: argparse.Namespace) -> None:
+    listing = await _call(args, "GET", "/v1/machines", dict)
+    machines = listing.get("machines", [])
+    if args.json:
+        print(json.dumps(machines, indent=2))
+        return
+    rows = []
+    for m in machines:
+        cards = m["cards"]
+        worker = m.get("worker")
+        rows.append(
+            [
+                m["pool"],
+                m["node"],
+                m.get("gpuModel") or "-",
+                f"{cards['total']}/{cards['ours']}/{cards['others']}/{cards['free']}",
+                f"{m['cpuFreeMillis']}m",
+                _gib(m["memoryFreeBytes"]),
+                worker["state"] if worker else "-",
+                f"{int(worker['ageSeconds'])}s" if worker else "-",
+            ]
+        )
+    print(
+        _table(
+            [
+                "POOL",
+                "NODE",
+                "GPU",
+                "CARDS T/OURS/OTHERS/FREE",
+                "CPU FREE",
+                "MEM FREE",
+                "WORKER",
+                "AGE",
+            ],
+            rows,
+        )
+    )
+    for pool in listing.get("pools", []):
+        if pool.get("error"):
+            print(f"pool {pool['pool']}: last pass failed: {pool['error']}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="levers9", description="levers9 command line")
     parser.add_argument("--version", action="version", version=__version__)
@@ -133,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("worker_id")
     get.add_argument("--json", action="store_true")
     get.set_defaults(func=worker_get)
+    machine = sub.add_parser("machine", help="machines: the pools' nodes that can take work")
+    msub = machine.add_subparsers(dest="action", required=True)
+    mls = msub.add_parser("list", help="list machines with their free cards, CPU and memory")
+    mls.add_argument("--json", action="store_true")
+    mls.set_defaults(func=machine_list)
     return parser
 
 

@@ -66,6 +66,34 @@ class WorkerRegistry:
 
     # -- who is who --
 
+    def add_worker(self, worker_id: str, token: str) -> None:
+        """Accept a worker the controlplane started (its token minted for its Job)."""
+        entry = self._entries.get(worker_id)
+        if entry is None:
+            self._entries[worker_id] = WorkerEntry(worker_id, token)
+        else:
+            entry.token = token
+
+    async def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker (its Job is gone): its token stops working, its clients close."""
+        entry = self._entries.pop(worker_id, None)
+        if entry is None:
+            return
+        for client in (entry.direct, entry.tunnel):
+            if client is not None:
+                await client.aclose()
+        self._changed.unpark_all()
+
+    def last_seen(self, worker_id: str, now: float) -> float | None:
+        """When the worker was last heard from: now while it is connected, else when it last
+        registered or opened a tunnel; None if never."""
+        entry = self._entries.get(worker_id)
+        if entry is None:
+            return None
+        if entry.tunnel is not None and entry.tunnel.conn.usable:
+            return now
+        return entry.registered_at
+
     def authenticate_worker(self, presented: str) -> str | None:
         """The worker id whose token this is, or None. Constant-time per comparison."""
         found = None

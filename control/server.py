@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import ssl
+from collections.abc import Mapping
 
 import attrs
 import trio
@@ -21,10 +23,13 @@ import trio_websocket
 from agent.client import WorkerClient
 from agent.connection import Http2Connection, KeepaliveConfig
 from agent.models import ApiError, ErrorCode, Registration, WorkerInfo, WorkerSummary
-from agent.service import Request, Router, Service, bearer_token
+from agent.service import JsonResponse, Request, Router, Service, bearer_token
 from agent.tls import TLSStream
 from agent.wsstream import WebSocketStream, wrap_server
 from control.config import ControlConfig
+from control.kube import open_kube_client
+from control.pools import load_pools
+from control.reconciler import PoolReconciler
 from control.registry import WorkerRegistry
 
 log = logging.getLogger("levers9.control")
@@ -56,6 +61,7 @@ class Controlplane:
         self.config = config
         self.registry = registry
         self._api_tokens = {t.token: t.name for t in config.api_tokens}
+        self.pools: list[PoolReconciler] = []
         self.service = Service(self._router(), authenticate=self._authenticate, name="control")
         self.port = 0
         self.keepalive = KeepaliveConfig(
@@ -115,6 +121,26 @@ class Controlplane:
                 f"worker {worker_id} did not answer within {WORKER_CALL_TIMEOUT_S:g} s",
             )
 
+        async def list_machines(request: Request) -> JsonResponse:
+            require_api(request)
+            return JsonResponse(
+                {
+                    "machines": [m.to_json() for r in self.pools for m in r.status.machines],
+                    "pools": [
+                        {
+                            "pool": r.status.pool,
+                            "passedAt": r.status.passed_at,
+                            "error": r.status.error,
+                            "skipped": [
+                                {"node": n.node, "reason": n.reason} for n in r.status.skipped
+                            ],
+                        }
+                        for r in self.pools
+                    ],
+                }
+            )
+
+        router.add("GET", "/v1/machines", list_machines)
         router.add("POST", "/v1/workers/{worker_id}/register", register)
         router.add("GET", "/v1/workers", list_workers)
         router.add("GET", "/v1/workers/{worker_id}", get_worker)
@@ -190,11 +216,15 @@ class Controlplane:
 async def serve_controlplane(
     config: ControlConfig,
     *,
+    pool_env: Mapping[str, str] | None = None,
     task_status: trio.TaskStatus[Controlplane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the public endpoint until cancelled; `started()` gives the `Controlplane`."""
+    """Serve the public endpoint and reconcile every configured pool until cancelled;
+    `started()` gives the `Controlplane`. `pool_env` is extra environment for every worker
+    Job (e.g. the controlplane's CA for agents)."""
     context = server_ssl_context(config)
-    async with trio.open_nursery() as nursery:
+    pools = load_pools(config.worker.pools).pools
+    async with contextlib.AsyncExitStack() as clusters, trio.open_nursery() as nursery:
         registry = WorkerRegistry(
             {t.worker_id: t.token for t in config.worker.tokens},
             nursery,
@@ -213,4 +243,12 @@ async def serve_controlplane(
 
         await nursery.start(trio.serve_listeners, handle, listeners)
         log.info("controlplane listening on %s:%d", config.listen_host, port)
+        # The clusters' clients close after the nursery (and every reconcile in it) has ended.
+        for pool in pools:
+            kube = await clusters.enter_async_context(open_kube_client(pool))
+            reconciler = PoolReconciler(
+                pool, kube, registry, controlplane_url=config.public_url, extra_env=pool_env
+            )
+            control.pools.append(reconciler)
+            await nursery.start(reconciler.run)
         task_status.started(control)

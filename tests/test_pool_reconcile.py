@@ -1,0 +1,256 @@
+"""Pools reconciled against the Kubernetes API stand-in, through the official client: machines
+from nodes, worker Jobs where cards are free, Jobs removed where a node or a worker is gone."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from control.cli import main as cli_main
+from control.kube import open_kube_client
+from control.pools import load_pools
+from control.reconciler import PoolReconciler
+from control.registry import WorkerRegistry
+from control.server import Controlplane, serve_controlplane
+from tests.kube_standin import KubeStandin, make_node, make_pod
+from tests.workers import API_TOKEN, control_config, make_pki
+
+pytest_plugins = ["tests.kube_fixtures"]
+
+CONTROLPLANE_URL = "https://levers9.example.test:8443"
+
+
+def pool_block(kube: KubeStandin, **kubernetes: Any) -> dict[str, Any]:
+    return {
+        "name": "gpu",
+        "provider": "kubernetes",
+        "kubernetes": {
+            "flavor": "generic",
+            "endpoint": kube.url,
+            "caData": base64.b64encode(kube.ca_pem).decode(),
+            "credentials": {"token": kube.token},
+            "image": "registry.example.test/levers9/worker:1",
+            "selector": {"levers9.dev/test-pool": "gpu"},
+            **kubernetes,
+        },
+    }
+
+
+def gpu_node(name: str, gpus: int = 4, **kw: Any) -> dict[str, Any]:
+    labels = {"levers9.dev/test-pool": "gpu", **kw.pop("labels", {})}
+    return make_node(name, gpus=gpus, labels=labels, **kw)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@asynccontextmanager
+async def reconciler(
+    kube: KubeStandin, clock: Callable[[], float] | None = None, **kubernetes: Any
+) -> AsyncIterator[PoolReconciler]:
+    pool = load_pools([pool_block(kube, **kubernetes)]).pools[0]
+    async with trio.open_nursery() as nursery, open_kube_client(pool) as client:
+        registry = WorkerRegistry({}, nursery)
+        yield PoolReconciler(
+            pool, client, registry, controlplane_url=CONTROLPLANE_URL, clock=clock or Clock()
+        )
+        nursery.cancel_scope.cancel()
+
+
+def run_pods_of_jobs(kube: KubeStandin) -> None:
+    """A kubelet: every Job created gets its pod, running on the node it is pinned to."""
+    kube.on_job_created(lambda server, job: server.run_job_pod(job))
+
+
+def jobs_created(kube: KubeStandin) -> int:
+    return sum(
+        1
+        for r in kube.requests
+        if r.verb == "create" and r.path.endswith("/jobs") and r.status < 300
+    )
+
+
+def gpu_request(job: dict[str, Any]) -> str:
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    return str(container["resources"]["limits"]["nvidia.com/gpu"])
+
+
+async def test_a_neighbour_holding_two_of_four_cards_leaves_a_two_card_machine(
+    kube: KubeStandin,
+) -> None:
+    run_pods_of_jobs(kube)
+    kube.add_node(gpu_node("node-1"))
+    kube.add_pod(make_pod("neighbour", "node-1", gpu_limit=2))
+    async with reconciler(kube) as r:
+        plan = await r.reconcile_once()
+        assert plan is not None
+        (machine,) = plan.machines
+        assert (machine.cards.total, machine.cards.others, machine.cards.free) == (4, 2, 2)
+        (job,) = kube.jobs()
+        assert gpu_request(job) == "2"
+        (secret,) = kube.secrets()
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+        # Our worker (its pod now running) is counted: no second Job on later passes.
+        await r.reconcile_once()
+        await r.reconcile_once()
+        assert jobs_created(kube) == 1
+        machine = r.status.machines[0]
+        assert (machine.cards.ours, machine.cards.others, machine.cards.free) == (2, 2, 0)
+
+        # The neighbour scales down: the machine's free cards grow on the next pass.
+        kube.remove_pod("neighbour")
+        await r.reconcile_once()
+        machine = r.status.machines[0]
+        assert (machine.cards.ours, machine.cards.others, machine.cards.free) == (2, 0, 2)
+
+
+async def test_a_full_node_is_no_machine_and_gets_no_worker(kube: KubeStandin) -> None:
+    kube.add_node(gpu_node("node-full"))
+    kube.add_pod(make_pod("hog", "node-full", gpu_limit=4))
+    async with reconciler(kube) as r:
+        plan = await r.reconcile_once()
+    assert plan is not None and plan.machines == ()
+    assert [n.node for n in plan.skipped] == ["node-full"]
+    assert kube.jobs() == []
+
+
+async def test_a_cordoned_node_stops_being_a_machine_and_loses_its_worker(
+    kube: KubeStandin,
+) -> None:
+    run_pods_of_jobs(kube)
+    kube.add_node(gpu_node("node-2"))
+    async with reconciler(kube) as r:
+        await r.reconcile_once()
+        assert len(kube.jobs()) == 1
+        kube.update("nodes", gpu_node("node-2", unschedulable=True))
+        plan = await r.reconcile_once()
+    assert plan is not None and plan.machines == ()
+    assert kube.jobs() == []
+    assert kube.secrets() == []  # deleted with its Job
+
+
+async def test_the_selector_picks_the_pools_nodes_by_gke_node_pool(kube: KubeStandin) -> None:
+    kube.add_node(
+        make_node("a100-1", labels={"cloud.google.com/gke-nodepool": "a100-pool"}, gpus=8)
+    )
+    kube.add_node(make_node("t4-1", labels={"cloud.google.com/gke-nodepool": "t4-pool"}))
+    async with reconciler(kube, selector={"cloud.google.com/gke-nodepool": "a100-pool"}) as r:
+        plan = await r.reconcile_once()
+    assert plan is not None
+    assert [m.node for m in plan.machines] == ["a100-1"]
+    (job,) = kube.jobs()
+    assert gpu_request(job) == "8"
+
+
+async def test_a_tunnel_pool_runs_workers_off_the_host_network(kube: KubeStandin) -> None:
+    kube.add_node(gpu_node("node-3"))
+    async with reconciler(kube, tunnel=True, hostNetwork=False) as r:
+        await r.reconcile_once()
+    (job,) = kube.jobs()
+    pod = job["spec"]["template"]["spec"]
+    assert not pod.get("hostNetwork", False)
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["LEVERS9_MODE"] == "tunnel"
+    assert env["LEVERS9_CONTROLPLANE_URL"] == CONTROLPLANE_URL
+    assert pod["containers"][0]["securityContext"]["privileged"] is True
+
+
+async def test_error_storms_create_no_duplicate_workers(kube: KubeStandin) -> None:
+    kube.add_node(gpu_node("node-4"))
+    kube.inject_fault("429", count=3, verb="list", retry_after_s=0)
+    kube.inject_fault("500", count=8, verb="create")
+    async with reconciler(kube) as r:
+        for _ in range(4):
+            await r.reconcile_once()
+    assert len(kube.jobs()) == 1
+    assert len(kube.secrets()) == 1
+
+
+async def test_an_expired_worker_is_replaced_by_a_fresh_one(kube: KubeStandin) -> None:
+    kube.add_node(gpu_node("node-5"))
+    clock = Clock()
+    async with reconciler(kube, clock=clock) as r:
+        await r.reconcile_once()
+        (first,) = kube.jobs()
+        clock.now += 300  # no heartbeat yet, not expired
+        await r.reconcile_once()
+        assert [j["metadata"]["name"] for j in kube.jobs()] == [first["metadata"]["name"]]
+        clock.now += 400  # ten minutes without a word: its Job goes, a fresh worker comes
+        await r.reconcile_once()
+        await r.reconcile_once()
+    (second,) = kube.jobs()
+    assert second["metadata"]["name"] != first["metadata"]["name"]
+
+
+async def test_a_bad_token_fails_the_pass_with_the_reason(kube: KubeStandin) -> None:
+    kube.add_node(gpu_node("node-6"))
+    block = pool_block(kube)
+    block["kubernetes"]["credentials"] = {"token": "not-the-token"}
+    pool = load_pools([block]).pools[0]
+    async with trio.open_nursery() as nursery, open_kube_client(pool) as client:
+        r = PoolReconciler(pool, client, WorkerRegistry({}, nursery), controlplane_url="https://x")
+        assert await r.reconcile_once() is None
+        nursery.cancel_scope.cancel()
+    assert r.status.error is not None
+    assert "not-the-token" not in r.status.error
+    assert kube.jobs() == []
+
+
+async def test_machine_list_through_the_controlplane_and_the_cli(
+    kube: KubeStandin, tmp_path: Path, nursery: trio.Nursery, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kube.add_node(
+        gpu_node("node-7", labels={"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"})
+    )
+    kube.add_pod(make_pod("neighbour", "node-7", gpu_limit=1))
+    pki = make_pki(tmp_path)
+    config = control_config(pki)
+    config = type(config)(**{**_fields(config), "worker": _with_pools(config, [pool_block(kube)])})
+    control: Controlplane = await nursery.start(serve_controlplane, config)
+    (reconciling,) = control.pools
+    with trio.fail_after(20):
+        while reconciling.status.passed_at is None:
+            await reconciling.passes.park()
+    args = [
+        "--controlplane",
+        f"https://127.0.0.1:{control.port}",
+        "--token",
+        API_TOKEN,
+        "--ca",
+        str(pki.ca_file),
+        "machine",
+        "list",
+    ]
+    assert await trio.to_thread.run_sync(cli_main, [*args, "--json"]) == 0
+    (machine,) = json.loads(capsys.readouterr().out)
+    assert machine["pool"] == "gpu"
+    assert machine["node"] == "node-7"
+    assert machine["gpuModel"] == "nvidia-tesla-a100"
+    assert machine["cards"] == {"total": 4, "ours": 0, "others": 1, "free": 3}
+    assert await trio.to_thread.run_sync(cli_main, args) == 0
+    table = capsys.readouterr().out
+    assert "node-7" in table and "4/0/1/3" in table
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    import attrs
+
+    return {a.name: getattr(config, a.name) for a in attrs.fields(type(config))}
+
+
+def _with_pools(config: Any, pools: list[dict[str, Any]]) -> Any:
+    import attrs
+
+    return attrs.evolve(config.worker, pools=tuple(pools))

@@ -1,0 +1,520 @@
+"""The reconcile planner over API-shaped nodes, pods and Jobs (pure: no cluster needed)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from agent.models import ApiError
+from control.reconcile import (
+    CreateJob,
+    DeleteJob,
+    Machine,
+    NotAMachine,
+    PoolSettings,
+    Resources,
+    Selector,
+    WorkerRecord,
+    cpu_millis,
+    job_manifest,
+    job_name,
+    label_selector_text,
+    machine_of,
+    memory_bytes,
+    plan_pool,
+    pod_request,
+    selector_matches,
+    token_secret_name,
+    with_job_uid,
+)
+
+NOW = 1_700_000_000.0
+SETTINGS = PoolSettings(name="gke-a100", namespace="levers9", image="worker:latest")
+GKE_LABEL = "cloud.google.com/gke-accelerator"
+
+
+def node(
+    name: str = "n1",
+    *,
+    gpus: int = 4,
+    ready: bool = True,
+    unschedulable: bool = False,
+    taints: list[dict[str, str]] | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {GKE_LABEL: "nvidia-tesla-a100", **(labels or {})},
+        },
+        "spec": {"unschedulable": unschedulable, "taints": taints or []},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": str(gpus), "cpu": "8", "memory": "32Gi"},
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def pod(
+    node_name: str | None = "n1",
+    *,
+    gpus: int = 0,
+    cpu: str = "0",
+    memory: str = "0",
+    phase: str = "Running",
+    ours: bool = False,
+) -> dict[str, Any]:
+    labels = (
+        {"app.kubernetes.io/name": "levers9-worker", "app.kubernetes.io/managed-by": "levers9"}
+        if ours
+        else {}
+    )
+    spec: dict[str, Any] = {
+        "containers": [
+            {
+                "name": "main",
+                "resources": {
+                    "limits": {"nvidia.com/gpu": str(gpus)},
+                    "requests": {"cpu": cpu, "memory": memory},
+                },
+            }
+        ]
+    }
+    if node_name is not None:
+        spec["nodeName"] = node_name
+    return {"metadata": {"labels": labels}, "spec": spec, "status": {"phase": phase}}
+
+
+def job_for(node_name: str, generation: int, **status: Any) -> dict[str, Any]:
+    manifests = job_manifest(
+        SETTINGS,
+        node_name,
+        1,
+        job_name(SETTINGS.name, node_name, generation),
+        "secret",
+        "https://cp.example",
+        token="t0ken",
+        generation=generation,
+    )
+    job = manifests.job
+    job["metadata"]["creationTimestamp"] = "2023-11-14T22:10:00Z"
+    job["status"] = status
+    return job
+
+
+# --- quantities -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "millis"),
+    [("500m", 500), ("2", 2000), ("1.5", 1500), ("0.1", 100), ("100u", 1), ("1k", 1_000_000)],
+)
+def test_cpu_quantities(text: str, millis: int) -> None:
+    assert cpu_millis(text) == millis
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("1Gi", 1 << 30),
+        ("512Mi", 512 << 20),
+        ("1G", 10**9),
+        ("100M", 10**8),
+        ("1e3", 1000),
+        ("1E3", 1000),
+        ("1E", 10**18),
+        ("12345", 12345),
+        ("1.5Ki", 1536),
+        ("1k", 1000),
+        ("+2Ti", 2 << 40),
+        ("500m", 1),
+    ],
+)
+def test_memory_quantities(text: str, size: int) -> None:
+    assert memory_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "1K", "Gi", "1.2.3", "1Gb", "1e", "abc", "1 Gi x"])
+def test_bad_quantities_name_the_value(text: str) -> None:
+    with pytest.raises(ApiError) as raised:
+        memory_bytes(text)
+    assert repr(text) in raised.value.message
+
+
+# --- pod requests ---------------------------------------------------------------------------
+
+
+def _container(cpu: str, memory: str, gpus: int = 0, **extra: Any) -> dict[str, Any]:
+    resources: dict[str, Any] = {"requests": {"cpu": cpu, "memory": memory}}
+    if gpus:
+        resources["limits"] = {"nvidia.com/gpu": str(gpus)}
+    return {"name": "c", "resources": resources, **extra}
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        # App containers add up.
+        (
+            {"containers": [_container("1", "1Gi", 1), _container("500m", "1Gi", 1)]},
+            Resources(2, 1500, 2 << 30),
+        ),
+        # A big init container sets the floor.
+        (
+            {
+                "initContainers": [_container("4", "1Gi")],
+                "containers": [_container("1", "2Gi"), _container("1", "1Gi")],
+            },
+            Resources(0, 4000, 3 << 30),
+        ),
+        # Overhead comes on top.
+        (
+            {
+                "containers": [_container("1", "1Gi")],
+                "overhead": {"cpu": "250m", "memory": "120Mi"},
+            },
+            Resources(0, 1250, (1 << 30) + (120 << 20)),
+        ),
+        # A sidecar runs beside the app containers and under later init containers.
+        (
+            {
+                "initContainers": [
+                    _container("1", "1Gi", restartPolicy="Always"),
+                    _container("3", "1Gi"),
+                ],
+                "containers": [_container("1", "1Gi")],
+            },
+            Resources(0, 4000, 2 << 30),
+        ),
+        # GPUs from requests when no limit is given.
+        (
+            {"containers": [{"resources": {"requests": {"nvidia.com/gpu": "2"}}}]},
+            Resources(2, 0, 0),
+        ),
+    ],
+)
+def test_pod_request(spec: dict[str, Any], expected: Resources) -> None:
+    assert pod_request({"spec": spec}) == expected
+
+
+# --- machines -------------------------------------------------------------------------------
+
+
+def test_neighbour_holding_two_of_four_leaves_a_two_card_machine() -> None:
+    machine = machine_of(node(), [pod(gpus=2, cpu="2", memory="4Gi")], None, pool="p")
+    assert isinstance(machine, Machine)
+    assert (machine.cards.total, machine.cards.others, machine.cards.free) == (4, 2, 2)
+    assert machine.cpu_free_millis == 6000
+    assert machine.memory_free_bytes == 28 << 30
+    assert machine.to_json()["gpuModel"] == "nvidia-tesla-a100"
+
+
+def test_finished_and_foreign_pods_do_not_count() -> None:
+    pods = [
+        pod(gpus=2, phase="Succeeded"),
+        pod(gpus=2, phase="Failed"),
+        pod("other-node", gpus=4),
+        pod(gpus=1, phase="Pending"),
+    ]
+    machine = machine_of(node(), pods, None)
+    assert isinstance(machine, Machine)
+    assert machine.cards.free == 3
+
+
+def test_neighbour_scaling_down_grows_the_machine() -> None:
+    before = machine_of(node(), [pod(gpus=3)], None)
+    after = machine_of(node(), [pod(gpus=1)], None)
+    assert isinstance(before, Machine) and isinstance(after, Machine)
+    assert (before.cards.free, after.cards.free) == (1, 3)
+
+
+def test_our_worker_counts_as_ours() -> None:
+    machine = machine_of(node(), [pod(gpus=3, ours=True), pod(gpus=1)], None)
+    assert isinstance(machine, Machine)
+    assert (machine.cards.ours, machine.cards.others, machine.cards.free) == (3, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("the_node", "pods", "reason"),
+    [
+        (node(), [pod(gpus=4)], "full"),
+        (node(ready=False), [], "not Ready"),
+        (node(unschedulable=True), [], "cordoned"),
+        (node(taints=[{"key": "dedicated", "effect": "NoSchedule"}]), [], "dedicated"),
+        (node(gpus=0), [], "no allocatable"),
+    ],
+)
+def test_not_a_machine(the_node: dict[str, Any], pods: list[Any], reason: str) -> None:
+    result = machine_of(the_node, pods, None)
+    assert isinstance(result, NotAMachine)
+    assert reason in result.reason
+
+
+def test_gpu_taint_is_tolerated_by_default() -> None:
+    tainted = node(taints=[{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}])
+    assert isinstance(machine_of(tainted, [], None), Machine)
+
+
+# --- selectors ------------------------------------------------------------------------------
+
+
+def test_selector_by_gpu_label_and_by_node_pool() -> None:
+    a100 = {GKE_LABEL: "nvidia-tesla-a100", "cloud.google.com/gke-nodepool": "gpu-a"}
+    l4 = {GKE_LABEL: "nvidia-l4", "cloud.google.com/gke-nodepool": "gpu-b"}
+    by_gpu = Selector(labels={GKE_LABEL: "nvidia-tesla-a100"})
+    by_pool = Selector(
+        expressions=(
+            {"key": "cloud.google.com/gke-nodepool", "operator": "In", "values": ["gpu-b"]},
+        )
+    )
+    assert selector_matches(a100, by_gpu) and not selector_matches(l4, by_gpu)
+    assert selector_matches(l4, by_pool) and not selector_matches(a100, by_pool)
+
+
+@pytest.mark.parametrize(
+    ("expression", "matches"),
+    [
+        ({"key": "zone", "operator": "NotIn", "values": ["b"]}, True),
+        ({"key": "zone", "operator": "NotIn", "values": ["a"]}, False),
+        ({"key": "zone", "operator": "Exists"}, True),
+        ({"key": "spot", "operator": "Exists"}, False),
+        ({"key": "spot", "operator": "DoesNotExist"}, True),
+    ],
+)
+def test_selector_expressions(expression: dict[str, Any], matches: bool) -> None:
+    assert selector_matches({"zone": "a"}, Selector(expressions=(expression,))) is matches
+
+
+def test_label_selector_text() -> None:
+    selector = Selector(
+        labels={"b": "2", "a": "1"},
+        expressions=(
+            {"key": "zone", "operator": "In", "values": ["y", "x"]},
+            {"key": "tier", "operator": "NotIn", "values": ["spot"]},
+            {"key": "gpu", "operator": "Exists"},
+            {"key": "old", "operator": "DoesNotExist"},
+        ),
+    )
+    assert label_selector_text(selector) == "a=1,b=2,zone in (x,y),tier notin (spot),gpu,!old"
+
+
+def test_unknown_operator_is_refused() -> None:
+    with pytest.raises(ApiError, match="Gt"):
+        selector_matches({}, Selector(expressions=({"key": "k", "operator": "Gt"},)))
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+def _creates(actions: tuple[Any, ...]) -> list[CreateJob]:
+    return [a for a in actions if isinstance(a, CreateJob)]
+
+
+def _deletes(actions: tuple[Any, ...]) -> list[DeleteJob]:
+    return [a for a in actions if isinstance(a, DeleteJob)]
+
+
+def test_free_cards_and_no_worker_create_one_job_for_them() -> None:
+    plan = plan_pool(SETTINGS, [node()], [pod(gpus=2)], [], [], NOW)
+    assert _creates(plan.actions) == [CreateJob("n1", 2, job_name(SETTINGS.name, "n1", 0), 0, "n1")]
+    assert plan.machines[0].worker is None
+
+
+def test_full_node_gets_no_job() -> None:
+    plan = plan_pool(SETTINGS, [node()], [pod(gpus=4)], [], [], NOW)
+    assert plan.actions == ()
+    assert plan.machines == () and "full" in plan.skipped[0].reason
+
+
+def test_our_pending_worker_prevents_a_second_job() -> None:
+    # The Job exists; its pod is not scheduled yet, so it holds no cards.
+    plan = plan_pool(
+        SETTINGS,
+        [node()],
+        [pod(None, gpus=4, ours=True, phase="Pending")],
+        [job_for("n1", 0)],
+        [],
+        NOW,
+    )
+    assert plan.actions == ()
+    worker = plan.machines[0].worker
+    assert worker is not None and worker.state == "pending"
+
+
+def test_worker_pod_still_terminating_prevents_a_new_job() -> None:
+    plan = plan_pool(SETTINGS, [node()], [pod(gpus=2, ours=True)], [], [], NOW)
+    assert _creates(plan.actions) == []
+
+
+def test_selector_filters_nodes() -> None:
+    settings = PoolSettings(
+        name="p",
+        namespace="ns",
+        image="i",
+        selector=Selector(labels={"cloud.google.com/gke-nodepool": "gpu-a"}),
+    )
+    nodes = [
+        node("a", labels={"cloud.google.com/gke-nodepool": "gpu-a"}),
+        node("b", labels={"cloud.google.com/gke-nodepool": "gpu-b"}),
+    ]
+    plan = plan_pool(settings, nodes, [], [], [], NOW)
+    assert [m.node for m in plan.machines] == ["a"]
+    assert [c.node for c in _creates(plan.actions)] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [node(ready=False), node(unschedulable=True), None],
+    ids=["not-ready", "cordoned", "deleted"],
+)
+def test_job_on_a_node_that_stopped_being_a_machine_is_deleted(
+    changed: dict[str, Any] | None,
+) -> None:
+    job = job_for("n1", 0)
+    nodes = [] if changed is None else [changed]
+    plan = plan_pool(SETTINGS, nodes, [pod(gpus=1, ours=True)], [job], [], NOW)
+    assert [d.name for d in _deletes(plan.actions)] == [job["metadata"]["name"]]
+    assert _creates(plan.actions) == []
+
+
+def test_expired_record_deletes_its_job_then_next_generation_follows() -> None:
+    name0 = job_name(SETTINGS.name, "n1", 0)
+    record = WorkerRecord(name0, "n1", "ready", created_at=NOW - 3600, last_heartbeat=NOW - 601)
+    first = plan_pool(
+        SETTINGS, [node()], [pod(gpus=4, ours=True)], [job_for("n1", 0)], [record], NOW
+    )
+    assert [d.name for d in _deletes(first.actions)] == [name0]
+    assert _creates(first.actions) == []
+    # Job and pod gone; the expired record is still known.
+    later = plan_pool(SETTINGS, [node()], [], [], [record], NOW + 30)
+    assert _creates(later.actions) == [
+        CreateJob("n1", 4, job_name(SETTINGS.name, "n1", 1), 1, "n1")
+    ]
+
+
+def test_fresh_heartbeat_keeps_the_job() -> None:
+    name0 = job_name(SETTINGS.name, "n1", 0)
+    record = WorkerRecord(name0, "n1", "ready", created_at=NOW - 3600, last_heartbeat=NOW - 30)
+    plan = plan_pool(
+        SETTINGS, [node()], [pod(gpus=4, ours=True)], [job_for("n1", 0)], [record], NOW
+    )
+    assert plan.actions == ()
+    worker = plan.machines[0].worker
+    assert worker is not None and (worker.state, worker.age_seconds) == ("ready", 3600)
+
+
+def test_finished_job_is_followed_by_the_next_generation() -> None:
+    done = job_for("n1", 3, succeeded=1)
+    plan = plan_pool(SETTINGS, [node()], [], [done], [], NOW)
+    assert [c.name for c in _creates(plan.actions)] == [job_name(SETTINGS.name, "n1", 4)]
+
+
+@pytest.mark.parametrize(
+    ("pool", "node_name"),
+    [
+        ("gke-a100", "gke-cluster-gpu-pool-1a2b3c4d-x7k9"),
+        ("A_Very_Long_Pool_Name_Indeed_With_Caps", "ip-10-0-1-2.us-west-2.compute.internal"),
+        ("p", "n" * 253),
+        ("", "---"),
+    ],
+)
+def test_names_are_deterministic_valid_and_distinct(pool: str, node_name: str) -> None:
+    name = job_name(pool, node_name, 12)
+    assert name == job_name(pool, node_name, 12)
+    assert len(name) <= 63
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name)
+    assert name != job_name(pool, node_name + "x", 12)
+    assert name != job_name(pool, node_name, 13)
+
+
+# --- the manifest ---------------------------------------------------------------------------
+
+
+def _env(job: dict[str, Any]) -> dict[str, Any]:
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_tunnel_manifest_without_host_network() -> None:
+    settings = PoolSettings(name="p", namespace="ns", image="img", tunnel=True, host_network=False)
+    name = job_name("p", "n1", 0)
+    manifests = job_manifest(
+        settings, "n1", 2, name, token_secret_name(name), "https://cp", token="s3cret"
+    )
+    pod_spec = manifests.job["spec"]["template"]["spec"]
+    assert pod_spec["hostNetwork"] is False and "dnsPolicy" not in pod_spec
+    env = _env(manifests.job)
+    assert env["LEVERS9_MODE"] == "tunnel"
+    assert env["LEVERS9_WORKER_TOKEN"] == {
+        "secretKeyRef": {"name": token_secret_name(name), "key": "token"}
+    }
+    assert "s3cret" not in str(manifests.job) and "s3cret" not in repr(manifests)
+
+
+def test_direct_manifest() -> None:
+    name = job_name(SETTINGS.name, "n1", 0)
+    manifests = job_manifest(
+        SETTINGS, "n1", 3, name, "tok", "https://cp", token="s3cret", hostname="n1-host"
+    )
+    job = manifests.job
+    assert job["spec"]["backoffLimit"] == 0
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0
+    labels = job["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "levers9-worker"
+    assert labels["app.kubernetes.io/managed-by"] == "levers9"
+    assert (labels["levers9.dev/pool"], labels["levers9.dev/node"]) == (SETTINGS.name, "n1")
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["hostNetwork"] is True
+    assert pod_spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod_spec["nodeSelector"] == {"kubernetes.io/hostname": "n1-host"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists"} in pod_spec["tolerations"]
+    container = pod_spec["containers"][0]
+    assert container["securityContext"]["privileged"] is True
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "3"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "3"
+    paths = {v["hostPath"]["path"] for v in pod_spec["volumes"]}
+    assert {
+        "/var/lib/levers9",
+        "/dev",
+        SETTINGS.driver_path,
+        "/var/lib/kubelet/pod-resources",
+    } <= paths
+    env = _env(job)
+    assert env["LEVERS9_MODE"] == "direct"
+    assert env["LEVERS9_WORKER_ID"] == name
+    assert env["LEVERS9_CONTROLPLANE_URL"] == "https://cp"
+    assert env["LEVERS9_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["LEVERS9_STATE_DIR"] == "/var/lib/levers9"
+    assert env["LEVERS9_GPU_DRIVER_DIR"] == SETTINGS.driver_path
+    secret = with_job_uid(manifests.secret, "uid-1")
+    assert secret["stringData"] == {"token": "s3cret"}
+    owner = secret["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("Job", name, "uid-1")
+
+
+def test_direct_mode_without_host_network_is_refused() -> None:
+    settings = PoolSettings(name="p", namespace="ns", image="i", host_network=False)
+    with pytest.raises(ApiError) as raised:
+        job_manifest(settings, "n1", 1, "j", "s", "https://cp", token="x")
+    assert raised.value.field == "hostNetwork"
+
+
+def test_planned_job_round_trips_through_its_manifest() -> None:
+    # A Job built from the plan is recognised by the next pass as that node's worker.
+    plan = plan_pool(SETTINGS, [node()], [], [], [], NOW)
+    create = _creates(plan.actions)[0]
+    job = job_manifest(
+        SETTINGS,
+        create.node,
+        create.cards,
+        create.name,
+        "s",
+        "https://cp",
+        token="x",
+        generation=create.generation,
+        hostname=create.hostname,
+    ).job
+    again = plan_pool(SETTINGS, [node()], [], [job], [], NOW)
+    assert again.actions == ()

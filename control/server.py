@@ -10,11 +10,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import trio
@@ -28,9 +27,12 @@ from agent.tls import TLSStream
 from agent.wsstream import WebSocketStream, wrap_server
 from control.config import ControlConfig
 from control.kube import open_kube_client
-from control.pools import load_pools
+from control.pools import PoolConfig, load_pools
 from control.reconciler import PoolReconciler
 from control.registry import WorkerRegistry
+
+REMOVE_POOL_S = 60.0
+"""How long a removed pool's Jobs may take to delete before its loop stops anyway."""
 
 log = logging.getLogger("levers9.control")
 
@@ -61,7 +63,9 @@ class Controlplane:
         self.config = config
         self.registry = registry
         self._api_tokens = {t.token: t.name for t in config.api_tokens}
-        self.pools: list[PoolReconciler] = []
+        self._pools: dict[str, _PoolRun] = {}
+        self._nursery: trio.Nursery | None = None
+        self.pool_env: Mapping[str, str] | None = None
         self.service = Service(self._router(), authenticate=self._authenticate, name="control")
         self.port = 0
         self.keepalive = KeepaliveConfig(
@@ -146,6 +150,54 @@ class Controlplane:
         router.add("GET", "/v1/workers/{worker_id}", get_worker)
         return router
 
+    @property
+    def pools(self) -> list[PoolReconciler]:
+        return [run.reconciler for run in self._pools.values() if run.reconciler is not None]
+
+    async def set_pools(self, pools: Sequence[PoolConfig]) -> None:
+        """Reconcile exactly these pools from now on: a new block starts, a changed one
+        restarts, and a removed one has its Jobs and Secrets deleted (never the namespace,
+        never a node) before its loop stops."""
+        assert self._nursery is not None
+        wanted = {pool.name: pool for pool in pools}
+        for name, run in list(self._pools.items()):
+            if wanted.get(name) != run.pool:
+                run.remove = name not in wanted
+                run.scope.cancel()
+                await run.done.wait()
+                del self._pools[name]
+        for name, pool in wanted.items():
+            if name not in self._pools:
+                await self._nursery.start(self._run_pool, pool)
+
+    async def _run_pool(
+        self, pool: PoolConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        run = _PoolRun(pool=pool)
+        self._pools[pool.name] = run
+        try:
+            async with open_kube_client(pool) as kube:
+                run.reconciler = PoolReconciler(
+                    pool,
+                    kube,
+                    self.registry,
+                    controlplane_url=self.config.public_url,
+                    extra_env=self.pool_env,
+                )
+                with run.scope:
+                    await run.reconciler.run(task_status=task_status)
+                if run.remove:
+                    with trio.CancelScope(shield=True), trio.move_on_after(REMOVE_POOL_S):
+                        try:
+                            await run.reconciler.remove_all()
+                        except ApiError as exc:
+                            log.warning(
+                                "pool %s: its workers could not be removed: %s", pool.name, exc
+                            )
+                    log.info("pool %s removed", pool.name)
+        finally:
+            run.done.set()
+
     async def handle_connection(self, tcp: trio.SocketStream, context: ssl.SSLContext) -> None:
         tls = TLSStream(tcp, context, server_side=True)
         try:
@@ -213,6 +265,15 @@ class Controlplane:
             self.registry.learn(info)
 
 
+@attrs.define(eq=False)
+class _PoolRun:
+    pool: PoolConfig
+    reconciler: PoolReconciler | None = None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    remove: bool = False
+
+
 async def serve_controlplane(
     config: ControlConfig,
     *,
@@ -224,7 +285,7 @@ async def serve_controlplane(
     Job (e.g. the controlplane's CA for agents)."""
     context = server_ssl_context(config)
     pools = load_pools(config.worker.pools).pools
-    async with contextlib.AsyncExitStack() as clusters, trio.open_nursery() as nursery:
+    async with trio.open_nursery() as nursery:
         registry = WorkerRegistry(
             {t.worker_id: t.token for t in config.worker.tokens},
             nursery,
@@ -234,6 +295,8 @@ async def serve_controlplane(
             ),
         )
         control = Controlplane(config, registry)
+        control.pool_env = pool_env
+        control._nursery = nursery
         listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
         port = int(listeners[0].socket.getsockname()[1])
         control.port = port
@@ -243,12 +306,5 @@ async def serve_controlplane(
 
         await nursery.start(trio.serve_listeners, handle, listeners)
         log.info("controlplane listening on %s:%d", config.listen_host, port)
-        # The clusters' clients close after the nursery (and every reconcile in it) has ended.
-        for pool in pools:
-            kube = await clusters.enter_async_context(open_kube_client(pool))
-            reconciler = PoolReconciler(
-                pool, kube, registry, controlplane_url=config.public_url, extra_env=pool_env
-            )
-            control.pools.append(reconciler)
-            await nursery.start(reconciler.run)
+        await control.set_pools(pools)
         task_status.started(control)

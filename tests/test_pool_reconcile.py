@@ -4,12 +4,19 @@ from nodes, worker Jobs where cards are free, Jobs removed where a node or a wor
 from __future__ import annotations
 
 import base64
+import functools
+import itertools
 import json
+import os
+import signal
+import socket
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -217,7 +224,7 @@ async def test_machine_list_through_the_controlplane_and_the_cli(
     kube.add_pod(make_pod("neighbour", "node-7", gpu_limit=1))
     pki = make_pki(tmp_path)
     config = control_config(pki)
-    config = type(config)(**{**_fields(config), "worker": _with_pools(config, [pool_block(kube)])})
+    config = attrs.evolve(config, worker=attrs.evolve(config.worker, pools=(pool_block(kube),)))
     control: Controlplane = await nursery.start(serve_controlplane, config)
     (reconciling,) = control.pools
     with trio.fail_after(20):
@@ -244,13 +251,148 @@ async def test_machine_list_through_the_controlplane_and_the_cli(
     assert "node-7" in table and "4/0/1/3" in table
 
 
-def _fields(config: Any) -> dict[str, Any]:
-    import attrs
+async def poll_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait for what another process (the stand-in's threads, a controlplane) makes true."""
+    with trio.fail_after(timeout_s):
+        for _ in itertools.count():
+            if condition():
+                return
+            await trio.sleep(0.05)
 
-    return {a.name: getattr(config, a.name) for a in attrs.fields(type(config))}
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def _with_pools(config: Any, pools: list[dict[str, Any]]) -> Any:
-    import attrs
+def kubelet_environment(kube: KubeStandin, job: dict[str, Any], node: str) -> dict[str, str]:
+    """What the kubelet would give the Job's container: its env, with secrets and the
+    downward API resolved."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEVERS9_")}
+    namespace = job["metadata"]["namespace"]
+    for entry in job["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+            continue
+        source = entry["valueFrom"]
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            secret = kube.get("secrets", ref["name"], namespace)
+            assert secret is not None, f"the Job's Secret {ref['name']} is missing"
+            env[entry["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        elif source.get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
+            env[entry["name"]] = node
+    return env
 
-    return attrs.evolve(config.worker, pools=tuple(pools))
+
+async def test_a_worker_job_runs_an_agent_that_registers_and_shows_ready(
+    kube: KubeStandin, tmp_path: Path, nursery: trio.Nursery, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kube.add_node(gpu_node("node-8"))
+    pki = make_pki(tmp_path)
+    port = _free_port()
+    config = control_config(pki, port=port)
+    config = attrs.evolve(
+        config,
+        worker=attrs.evolve(
+            config.worker, pools=(pool_block(kube, tunnel=True, hostNetwork=False),)
+        ),
+    )
+    control: Controlplane = await nursery.start(
+        functools.partial(
+            serve_controlplane,
+            config,
+            pool_env={"LEVERS9_CONTROLPLANE_CA": str(pki.ca_file)},
+        )
+    )
+    (reconciling,) = control.pools
+    with trio.fail_after(20):
+        while not kube.jobs():
+            await reconciling.passes.park()
+    (job,) = kube.jobs()
+    name = job["metadata"]["name"]
+    # The kubelet's part: the Job's pod runs the agent with the Job's environment.
+    kube.run_job_pod(job, "node-8")
+    env = kubelet_environment(kube, job, "node-8")
+    env.update(LEVERS9_CONTAINERS="off", LEVERS9_LOG_LEVEL="WARNING")
+    assert env["LEVERS9_WORKER_ID"] == name
+    agent = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "agent.cli", "run"], env=env, cwd=Path(__file__).parent.parent
+    )
+    try:
+        with trio.fail_after(30):
+            worker = await control.registry.client_for(name)
+            assert (await worker.health()).worker_id == name
+        await reconciling.reconcile_once()
+        (machine,) = reconciling.status.machines
+        assert machine.worker is not None and machine.worker.state == "ready"
+        args = ["--controlplane", f"https://127.0.0.1:{control.port}", "--token", API_TOKEN]
+        args += ["--ca", str(pki.ca_file), "machine", "list", "--json"]
+        assert await trio.to_thread.run_sync(cli_main, args) == 0
+        (listed,) = json.loads(capsys.readouterr().out)
+        assert listed["worker"]["state"] == "ready"
+        assert listed["cards"]["ours"] == 4
+    finally:
+        agent.kill()
+        with trio.CancelScope(shield=True):
+            await agent.wait()
+
+
+async def test_removing_a_pool_deletes_its_workers_but_not_the_namespace(
+    kube: KubeStandin, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    kube.add_node(gpu_node("node-9"))
+    kube.add_node(make_node("other-1", labels={"levers9.dev/test-pool": "other"}))
+    pki = make_pki(tmp_path)
+    config = control_config(pki)
+    other = pool_block(kube, selector={"levers9.dev/test-pool": "other"})
+    other["name"] = "other"
+    config = attrs.evolve(
+        config, worker=attrs.evolve(config.worker, pools=(pool_block(kube), other))
+    )
+    control: Controlplane = await nursery.start(serve_controlplane, config)
+    await poll_until(lambda: len(kube.jobs()) == 2)
+    await control.set_pools(load_pools([other]).pools)
+    remaining = [j["metadata"]["labels"]["levers9.dev/pool"] for j in kube.jobs()]
+    assert remaining == ["other"]
+    assert len(kube.secrets("levers9")) == 1
+    assert kube.get("namespaces", "levers9") is not None
+    assert {n["metadata"]["name"] for n in kube.objects("nodes")} == {"node-9", "other-1"}
+    assert [r.settings.name for r in control.pools] == ["other"]
+
+
+async def test_the_controlplane_process_applies_its_pools_again_on_sighup(
+    kube: KubeStandin, tmp_path: Path
+) -> None:
+    kube.add_node(gpu_node("node-10"))
+    pki = make_pki(tmp_path)
+    values = tmp_path / "values.yaml"
+    config = control_config(pki)
+    base: dict[str, Any] = {
+        "config": {
+            "publicUrl": config.public_url,
+            "listen": "127.0.0.1:0",
+            "tls": {"certFile": str(pki.cert_file), "keyFile": str(pki.key_file)},
+            "apiTokens": [{"name": "tests", "token": API_TOKEN}],
+            "worker": {"pools": [pool_block(kube)]},
+        }
+    }
+    values.write_text(json.dumps(base))
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "control.main", "serve", "--config", str(values)],
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "LEVERS9_LOG_LEVEL": "WARNING"},
+    )
+    try:
+        await poll_until(lambda: bool(kube.jobs()))
+        base["config"]["worker"]["pools"] = []
+        values.write_text(json.dumps(base))
+        process.send_signal(signal.SIGHUP)
+        await poll_until(lambda: not kube.jobs())
+        assert kube.secrets("levers9") == []
+        assert process.returncode is None  # still serving
+    finally:
+        process.terminate()
+        with trio.CancelScope(shield=True):
+            await process.wait()

@@ -74,6 +74,8 @@ class AgentConfig:
     tunnel: TunnelConfig = TunnelConfig()
     containers: ContainerConfig | None = None
     """None: this agent runs no containers (LEVERS9_CONTAINERS=off)."""
+    idle_s: float | None = None
+    """With containers: end cleanly after this long without one (LEVERS9_IDLE_S)."""
 
     @property
     def controlplane_host(self) -> str:
@@ -206,4 +208,5 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
             backoff_cap_s=min(_number(env, "BACKOFF_CAP_S", 30.0), 30.0),
         ),
         containers=load_container_config(env),
+        idle_s=_number(env, "IDLE_S", 0.0) if env.get(ENV_PREFIX + "IDLE_S") else None,
     )

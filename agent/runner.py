@@ -64,6 +64,8 @@ from nvml import NvmlError
 
 log = logging.getLogger("levers9.agent")
 
+IDLE_POLL_S = 5.0
+
 
 class TunnelRejected(Exception):
     """The controlplane refused the tunnel handshake (wrong token, unknown worker)."""
@@ -111,7 +113,35 @@ async def _serve(
                 open_container_manager(config.containers, gpus=_gpus(claim, os.environ))
             )
         service = build_service(config, state, manager)
-        await _serve_with(config, state, service, task_status)
+        async with trio.open_nursery() as nursery:
+            if manager is not None and config.idle_s is not None:
+                nursery.start_soon(_exit_when_idle, manager, config.idle_s, nursery.cancel_scope)
+            await _serve_with(config, state, service, task_status)
+
+
+def idle_for(active: int, idle_since: float | None, now: float) -> float | None:
+    """When the worker became idle: None while a container is active, else since when (the
+    moment it was first seen with none). Pure."""
+    if active:
+        return None
+    return now if idle_since is None else idle_since
+
+
+async def _exit_when_idle(
+    manager: ContainerManager, idle_s: float, scope: trio.CancelScope
+) -> None:
+    """A worker with no container for `idle_s` ends cleanly (exit 0): its Job completes and the
+    next reconcile may start a worker that takes every card free by then."""
+    since: float | None = None
+    while True:
+        now = trio.current_time()
+        active = sum(1 for c in manager.all() if c.state not in ("exited", "failed"))
+        since = idle_for(active, since, now)
+        if since is not None and now - since >= idle_s:
+            log.info("no container for %.0f s: the worker winds down", now - since)
+            scope.cancel()
+            return
+        await trio.sleep(min(IDLE_POLL_S, idle_s))
 
 
 def _gpus(claim: Claim | None, environ: Mapping[str, str]) -> Gpus | None:

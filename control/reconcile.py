@@ -769,6 +769,7 @@ def job_manifest(
         },
         {"name": "LEVERS9_STATE_DIR", "value": settings.objects_path},
         {"name": "LEVERS9_GPU_DRIVER_DIR", "value": settings.driver_path},
+        {"name": "LEVERS9_IDLE_S", "value": str(int(settings.idle_minutes * 60))},
         {
             "name": "LEVERS9_WORKER_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": token_secret_name, "key": TOKEN_KEY}},

@@ -141,6 +141,8 @@ def test_agent_runs_containers_unless_told_not_to() -> None:
     assert config.containers.object_budget_bytes == 1 << 20
     assert config.containers.insecure_registries == ("registry.lan:5000", "10.0.0.5:5000")
     assert load_config(_env(LEVERS9_CONTAINERS="off")).containers is None
+    assert load_config(_env()).idle_s is None
+    assert load_config(_env(LEVERS9_IDLE_S="1800")).idle_s == 1800.0
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ from agent.models import (
 )
 from agent.rootfs import overlay_mounts_under
 from agent.runc import read_cgroup_limits
-from agent.runner import run_agent
+from agent.runner import idle_for, run_agent
 from agent.service import Service, bearer_auth
 from control.server import Controlplane, serve_controlplane
 from tests.netns_hosts import open_test_host, policy_route, probe, serve
@@ -770,3 +770,26 @@ async def test_the_agent_runs_containers_for_the_controlplane_through_its_tunnel
     with pytest.raises(ApiError) as err:
         await worker.container("via-tunnel")
     assert err.value.code is ErrorCode.NOT_FOUND
+
+
+def test_a_worker_is_idle_from_the_moment_it_has_no_container() -> None:
+    assert idle_for(1, None, 10.0) is None
+    assert idle_for(0, None, 10.0) == 10.0
+    assert idle_for(0, 10.0, 25.0) == 10.0
+    assert idle_for(2, 10.0, 25.0) is None
+
+
+async def test_an_idle_worker_winds_down_by_itself(
+    tmp_path: Path, registry: SharedRegistry, nursery: trio.Nursery
+) -> None:
+    pki = make_pki(tmp_path)
+    control: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+    config = attrs.evolve(
+        agent_config(pki, control.port, mode="tunnel"),
+        containers=state_config(tmp_path),
+        idle_s=1.0,
+    )
+    with trio.fail_after(60):
+        # Returns on its own (the process would exit 0): no container for a second.
+        await run_agent(config)
+    assert not [m for m in overlay_mounts_under(tmp_path / "state" / "containers")]

@@ -793,3 +793,19 @@ async def test_an_idle_worker_winds_down_by_itself(
         # Returns on its own (the process would exit 0): no container for a second.
         await run_agent(config)
     assert not [m for m in overlay_mounts_under(tmp_path / "state" / "containers")]
+
+
+async def test_seccomp_refuses_what_a_workload_has_no_business_doing(
+    manager: ContainerManager, registry: SharedRegistry
+) -> None:
+    script = (
+        "unshare -U true 2>/dev/null && echo userns-made || echo userns-refused; "
+        "mount -t tmpfs none /mnt 2>/dev/null && echo mounted || echo mount-refused; "
+        "echo work > /tmp/f && cat /tmp/f; (sleep 0.1 &) ; wait; echo threads-ok"
+    )
+    await run_to_end(
+        manager,
+        ContainerSpec(image=registry.busybox, id="seccomp", command=("sh", "-c", script)),
+    )
+    said = [line.text for line in await logs_of(manager, "seccomp") if line.stream == "stdout"]
+    assert said == ["userns-refused", "mount-refused", "work", "threads-ok"]

@@ -380,3 +380,12 @@ def test_write_bundle_writes_config_with_an_absolute_rootfs(tmp_path: Path) -> N
     assert config["root"]["path"] == str(bundle / "rootfs")
     assert config["linux"]["cgroupsPath"] == "/levers9/c-1"
     assert [p.name for p in bundle.iterdir()] == ["config.json"]
+
+
+def test_a_seccomp_filter_refuses_the_dangerous_calls_and_allows_the_rest() -> None:
+    config = oci_config(RuntimeSpec(container_id="c1", rootfs="/r", args=("sh",)))
+    seccomp = config["linux"]["seccomp"]
+    assert seccomp["defaultAction"] == "SCMP_ACT_ALLOW"
+    refused = {name for rule in seccomp["syscalls"] for name in rule["names"]}
+    assert {"unshare", "setns", "mount", "keyctl", "bpf", "userfaultfd", "clone3"} <= refused
+    assert not refused & {"read", "write", "openat", "execve", "futex"}

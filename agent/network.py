@@ -29,11 +29,15 @@ Design choices:
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import ipaddress
 import logging
 import os
 import re
 import socket
+import struct
+import threading
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 
@@ -329,6 +333,90 @@ async def _ip_batch(
     await _run_tool(argv, script, what=what)
 
 
+# ioctl numbers and flags from <linux/sockios.h>, <net/if.h>, <net/route.h>.
+_SIOCGIFFLAGS, _SIOCSIFFLAGS = 0x8913, 0x8914
+_SIOCSIFADDR, _SIOCSIFNETMASK = 0x8916, 0x891C
+_SIOCADDRT = 0x890B
+_IFF_UP = 0x1
+_RTF_UP, _RTF_GATEWAY = 0x1, 0x2
+_CLONE_NEWNET = 0x40000000
+
+
+def _sockaddr_in(address: str) -> bytes:
+    return struct.pack("=HH4s8x", socket.AF_INET, 0, socket.inet_aton(address))
+
+
+def _ifreq(name: str, payload: bytes = b"") -> bytes:
+    return struct.pack("16s", name.encode()) + payload.ljust(24, b"\0")
+
+
+def _set_up(sock: socket.socket, name: str) -> None:
+    flags = struct.unpack_from("H", fcntl.ioctl(sock, _SIOCGIFFLAGS, _ifreq(name)), 16)[0]
+    fcntl.ioctl(sock, _SIOCSIFFLAGS, _ifreq(name, struct.pack("H", flags | _IFF_UP)))
+
+
+def _default_route(gateway: str) -> bytes:
+    """A `struct rtentry` (x86_64 / aarch64 layout) for `default via gateway`."""
+    zero = _sockaddr_in("0.0.0.0")
+    return struct.pack(
+        "=Q16s16s16sHh4xQQh6xQQQH6x",
+        0,
+        zero,
+        _sockaddr_in(gateway),
+        zero,
+        _RTF_UP | _RTF_GATEWAY,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
+
+
+def _configure_inside(
+    netns_path: str, address: str, gateway: str, prefix: int, container_id: str
+) -> None:
+    """Inside the container's namespace: `lo` up, `eth0` with its address, up, and the default
+    route, by ioctl. This saves starting a process (`nsenter ip -batch`, ~6 ms) on every
+    container start. It runs on a thread of its own, made and ended here: a thread's network
+    namespace is per thread, and a pooled thread must never be left in a container's."""
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open(netns_path, "rb") as target:
+            if libc.setns(target.fileno(), _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {netns_path} failed")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            _set_up(sock, "lo")
+            fcntl.ioctl(sock, _SIOCSIFADDR, _ifreq(CONTAINER_IFNAME, _sockaddr_in(address)))
+            mask = str(ipaddress.IPv4Network(f"0.0.0.0/{prefix}").netmask)
+            fcntl.ioctl(sock, _SIOCSIFNETMASK, _ifreq(CONTAINER_IFNAME, _sockaddr_in(mask)))
+            _set_up(sock, CONTAINER_IFNAME)
+            fcntl.ioctl(sock, _SIOCADDRT, _default_route(gateway))
+
+    def guarded() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            failure.append(exc)
+
+    # The thread ends in the container's namespace and is thrown away with it.
+    thread = threading.Thread(target=guarded, name=f"netns-{container_id}", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        exc = failure[0]
+        raise ToolFailed(
+            f"could not configure the network namespace of container {container_id}: {exc}",
+            line=None,
+            reason=exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc),
+        ) from None
+
+
 async def _nft(script: str, *, what: str) -> None:
     await _run_tool(["nft", "-f", "-"], script, what=what)
 
@@ -492,15 +580,8 @@ class Networking:
             async with self._allocating:
                 subnet = await self._claim(container_id, netns, mtu)
             host, peer = (str(a) for a in list(subnet.hosts())[:2])
-            await _ip_batch(
-                [
-                    "link set dev lo up",
-                    f"addr add {peer}/{SUBNET_PREFIX} dev {CONTAINER_IFNAME}",
-                    f"link set dev {CONTAINER_IFNAME} up",
-                    f"route add default via {host} dev {CONTAINER_IFNAME}",
-                ],
-                what=f"configure the network namespace of container {container_id}",
-                netns_path=netns_path,
+            await trio.to_thread.run_sync(
+                _configure_inside, netns_path, peer, host, SUBNET_PREFIX, container_id
             )
         except NetworkError as exc:
             # ALREADY_EXISTS means the namespace is another network's: leave it alone.

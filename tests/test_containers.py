@@ -50,7 +50,7 @@ from agent.service import Service, bearer_auth
 from control.server import Controlplane, serve_controlplane
 from tests.netns_hosts import open_test_host, policy_route, probe, serve
 from tests.registry import Image, push_layer_tars
-from tests.workers import agent_config, control_config, make_pki
+from tests.workers import agent_config, control_config, make_pki, read_line
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import MakeDevDir
@@ -611,7 +611,7 @@ async def test_containers_survive_an_agent_killed_with_sigkill(
     try:
         assert process.stdout is not None
         with trio.fail_after(60):
-            assert await process.stdout.receive_some(64) == b"ready\n"
+            assert await read_line(process.stdout) == b"ready\n"
     finally:
         process.send_signal(signal.SIGKILL)
         await process.wait()

@@ -63,6 +63,7 @@ from agent.volumes import (
 )
 from tests.registry import free_port
 from tests.s3_server import S3Server, S3User, s3_credentials
+from tests.workers import read_line
 
 pytest_plugins = ["tests.s3_fixtures"]
 
@@ -722,7 +723,7 @@ async def test_a_killed_rclone_is_remounted_and_a_container_sees_the_bucket_agai
     try:
         assert container.stdout is not None and container.stdin is not None
         with trio.fail_after(10):
-            assert await container.stdout.receive_some(64) == b"ready\n"
+            assert await read_line(container.stdout) == b"ready\n"
 
         before = volumes.volumes.statistics().mounts[0]
         assert before.pid is not None
@@ -879,7 +880,7 @@ async def test_sweep_cleans_what_a_killed_agent_left(tmp_path: Path, s3_server: 
         assert agent.stdin is not None and agent.stdout is not None
         await agent.stdin.send_all(json.dumps(given).encode() + b"\n")
         with trio.fail_after(60):
-            assert await agent.stdout.receive_some(64) == b"ready\n"
+            assert await read_line(agent.stdout) == b"ready\n"
         agent.send_signal(signal.SIGKILL)
         await agent.wait()
         left = mounts_under(root)

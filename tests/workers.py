@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+import trio
 import trustme
 
 from agent.config import AgentConfig, TunnelConfig
@@ -84,3 +85,14 @@ def agent_config(
             backoff_stable_s=2.0,
         ),
     )
+
+
+async def read_line(stream: trio.abc.ReceiveStream) -> bytes:
+    """One line from a child's stdout (a pipe may hand it over in pieces)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = await stream.receive_some(64)
+        if not chunk:
+            break
+        line += chunk
+    return line

@@ -218,38 +218,10 @@ def validate_spec(spec: ContainerSpec, *, node_memory_bytes: int) -> None:
     if spec.cards < 0:
         raise ApiError(ErrorCode.INVALID_ARGUMENT, "cards must be 0 or more", field="cards")
     res = spec.resources
-    if res.memory_bytes is not None:
-        if res.memory_bytes < MIN_MEMORY_BYTES:
-            raise ApiError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"resources.memoryBytes must be at least {MIN_MEMORY_BYTES} bytes, not "
-                f"{res.memory_bytes}",
-                field="resources.memoryBytes",
-            )
-        if res.memory_bytes > node_memory_bytes:
-            raise ApiError(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"resources.memoryBytes asks for {res.memory_bytes} bytes but this node has "
-                f"{node_memory_bytes}; ask for less or use a bigger machine",
-                field="resources.memoryBytes",
-            )
-    if res.cpu_millis is not None and res.cpu_millis < 10:
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"resources.cpuMillis must be at least 10, not {res.cpu_millis}",
-            field="resources.cpuMillis",
-        )
-    if res.cpu_millis is not None and res.cpu_millis > (os.cpu_count() or 1) * 1000:
-        raise ApiError(
-            ErrorCode.RESOURCE_EXHAUSTED,
-            f"resources.cpuMillis asks for {res.cpu_millis} but this node has "
-            f"{(os.cpu_count() or 1) * 1000}",
-            field="resources.cpuMillis",
-        )
-    if res.pids is not None and res.pids < 1:
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT, "resources.pids must be at least 1", field="resources.pids"
-        )
+    cpu_millis = (os.cpu_count() or 1) * 1000
+    _check_resource("memoryBytes", res.memory_bytes, MIN_MEMORY_BYTES, node_memory_bytes, " bytes")
+    _check_resource("cpuMillis", res.cpu_millis, 10, cpu_millis, " millicores")
+    _check_resource("pids", res.pids, 1, None, "")
     for port in spec.ports:
         if not 0 < port < 65536:
             raise ApiError(
@@ -287,6 +259,29 @@ def validate_spec(spec: ContainerSpec, *, node_memory_bytes: int) -> None:
     if spec.stop_grace_s < 0:
         raise ApiError(
             ErrorCode.INVALID_ARGUMENT, "stopGraceS must be 0 or more", field="stopGraceS"
+        )
+
+
+def _check_resource(
+    name: str, value: int | None, minimum: int, node_has: int | None, unit: str
+) -> None:
+    """A limit below what can run is INVALID_ARGUMENT; above what the node has,
+    RESOURCE_EXHAUSTED. Both name the field."""
+    field = f"resources.{name}"
+    if value is None:
+        return
+    if value < minimum:
+        raise ApiError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"{field} must be at least {minimum}{unit}, not {value}",
+            field=field,
+        )
+    if node_has is not None and value > node_has:
+        raise ApiError(
+            ErrorCode.RESOURCE_EXHAUSTED,
+            f"{field} asks for {value}{unit} but this node has {node_has}{unit}; ask for less "
+            "or use a bigger machine",
+            field=field,
         )
 
 

@@ -58,6 +58,8 @@ class MountEntry:
     source: str
     options: str
     """Super block options: for an overlay, its lowerdir, upperdir and workdir."""
+    shared: bool = False
+    """In a shared peer group (mounts below it propagate to its peers and slaves)."""
 
 
 def overlay_options(lowers: Sequence[Path], upper: Path, work: Path, *, image: str | None) -> str:
@@ -173,6 +175,7 @@ def parse_mountinfo(text: str) -> list[MountEntry]:
                     fs_type=fields[separator + 1],
                     source=_unescape(fields[separator + 2]),
                     options=_unescape(fields[separator + 3]),
+                    shared=any(tag.startswith("shared:") for tag in fields[6:separator]),
                 )
             )
         except (ValueError, IndexError):

@@ -81,6 +81,9 @@ from agent.backoff import (
 )
 from agent.models import ApiError, ErrorCode, GcsCredentials, S3Credentials, VolumeSpec
 
+# /proc/self/mountinfo is read the same way for rootfs overlays and for bucket mounts.
+from agent.rootfs import MountEntry, parse_mountinfo
+
 __all__ = [
     "GcsCredentials",
     "MountStatistics",
@@ -730,40 +733,6 @@ def probe_error(spec: VolumeSpec, text: str) -> VolumeError:
 
 
 # -- mountinfo and the sweep plan: pure --------------------------------------------------------
-
-
-@attrs.frozen
-class MountEntry:
-    mount_id: int
-    parent_id: int
-    mount_point: Path
-    fs_type: str
-    shared: bool
-
-
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> list[MountEntry]:
-    """`/proc/self/mountinfo` -> entries, in the kernel's order (a stack's top comes last)."""
-    entries = []
-    for line in text.splitlines():
-        fields = line.split(" ")
-        if len(fields) < 10 or "-" not in fields[6:]:
-            continue
-        separator = fields.index("-", 6)
-        optional = fields[6:separator]
-        entries.append(
-            MountEntry(
-                mount_id=int(fields[0]),
-                parent_id=int(fields[1]),
-                mount_point=Path(_unescape(fields[4])),
-                fs_type=fields[separator + 1],
-                shared=any(tag.startswith("shared:") for tag in optional),
-            )
-        )
-    return entries
 
 
 def _is_under(path: Path, root: Path) -> bool:

@@ -34,6 +34,7 @@ import trustme
 from botocore.config import Config
 
 from agent.volumes import S3Credentials
+from tests.registry import stop_process
 
 REGION = "us-east-1"
 
@@ -103,13 +104,7 @@ class S3Server:
             return ""
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def _bucket_policy_document(bucket: str) -> str:

@@ -29,10 +29,10 @@ import pytest
 import trio
 
 from agent.models import ErrorCode
+from agent.rootfs import parse_mountinfo
 from agent.volumes import (
     GcsCredentials,
     MountedVolume,
-    MountEntry,
     RcloneFailure,
     RcServing,
     S3Credentials,
@@ -47,7 +47,6 @@ from agent.volumes import (
     mount_key,
     mount_name,
     parse_bucket_url,
-    parse_mountinfo,
     parse_rclone_line,
     probe_error,
     rclone_argv,
@@ -390,7 +389,12 @@ MOUNTINFO = """\
 
 def test_mountinfo_is_parsed_with_escapes_and_propagation() -> None:
     entries = parse_mountinfo(MOUNTINFO)
-    assert entries[1] == MountEntry(46, 27, Path("/v/m/1"), "ext4", shared=True)
+    assert (entries[1].mount_id, entries[1].parent_id, entries[1].mount_point) == (
+        46,
+        27,
+        Path("/v/m/1"),
+    )
+    assert (entries[1].fs_type, entries[1].shared) == ("ext4", True)
     assert entries[3].fs_type == "fuse.rclone"
     assert entries[-1].mount_point == Path("/v/m/with space")
     assert not entries[-2].shared

@@ -51,6 +51,11 @@ class ContainerConfig:
     bucket_ca_file: str | None = None
     """A CA for bucket endpoints with private certificates (the system's CAs otherwise)."""
     runc_binary: str = "runc"
+    network_table: str = "levers9"
+    network_prefix: str = "l9"
+    network_pool: str = "169.254.128.0/17"
+    """Container network names and addresses (LEVERS9_NETWORK_TABLE, _PREFIX, _POOL): two agents
+    on one host (simulated nodes) need their own."""
     stop_on_shutdown: bool = True
     """Stop every container when the agent shuts down cleanly (the worker is going away); an
     agent that is killed leaves them running for the next agent to adopt."""
@@ -156,6 +161,9 @@ def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
         insecure_registries=insecure,
         registry_ca_file=ca_file,
         bucket_ca_file=_existing_file(env, "BUCKET_CA"),
+        network_table=env.get(ENV_PREFIX + "NETWORK_TABLE") or "levers9",
+        network_prefix=env.get(ENV_PREFIX + "NETWORK_PREFIX") or "l9",
+        network_pool=env.get(ENV_PREFIX + "NETWORK_POOL") or "169.254.128.0/17",
     )
 
 

@@ -1252,7 +1252,9 @@ async def _open_manager(
         budget_bytes=config.object_budget_bytes,
         free_floor_bytes=config.free_floor_bytes,
     )
-    networking = Networking()
+    networking = Networking(
+        table=config.network_table, pool=config.network_pool, prefix=config.network_prefix
+    )
     await networking.install()
     shim = await trio.to_thread.run_sync(shim_path, config.state_dir / "bin")
     puller = ImagePuller(

@@ -189,6 +189,11 @@ class Registration:
     fingerprint: str | None = None
     node: str | None = None
     cards: tuple[CardInfo, ...] = ()
+    cpu_millis: int | None = None
+    """What the worker may give its containers: CPU (thousandths of a core) and memory."""
+    memory_bytes: int | None = None
+    containers: bool = True
+    """False for an agent that runs no containers (LEVERS9_CONTAINERS=off)."""
 
 
 @attrs.frozen

@@ -21,7 +21,9 @@ import random
 import socket
 import ssl
 from collections.abc import Mapping
+from pathlib import Path
 
+import psutil
 import trio
 import trio_websocket
 
@@ -48,7 +50,7 @@ from agent.gpus import (
     claim_cards,
     discover_node_files,
 )
-from agent.models import ApiError, CardInfo, Registration
+from agent.models import ApiError, CardInfo, ErrorCode, Registration
 from agent.object_routes import add_object_routes
 from agent.podresources import PodResourcesError
 from agent.service import ConnectPolicy, Service, bearer_auth
@@ -115,7 +117,9 @@ async def _serve(
         service = build_service(config, state, manager)
         async with trio.open_nursery() as nursery:
             if manager is not None and config.idle_s is not None:
-                nursery.start_soon(_exit_when_idle, manager, config.idle_s, nursery.cancel_scope)
+                nursery.start_soon(
+                    _exit_when_idle, config, manager, config.idle_s, nursery.cancel_scope
+                )
             await _serve_with(config, state, service, task_status)
 
 
@@ -128,16 +132,28 @@ def idle_for(active: int, idle_since: float | None, now: float) -> float | None:
 
 
 async def _exit_when_idle(
-    manager: ContainerManager, idle_s: float, scope: trio.CancelScope
+    config: AgentConfig, manager: ContainerManager, idle_s: float, scope: trio.CancelScope
 ) -> None:
-    """A worker with no container for `idle_s` ends cleanly (exit 0): its Job completes and the
-    next reconcile may start a worker that takes every card free by then."""
+    """A worker with no container for `idle_s` deregisters and ends cleanly (exit 0): its Job
+    completes and the next reconcile may start a worker that takes every card free by then.
+    The controlplane refuses the deregistration while it is placing a task here; the worker
+    then stays and counts its idle time again."""
     since: float | None = None
     while True:
         now = trio.current_time()
         active = sum(1 for c in manager.all() if c.state not in ("exited", "failed"))
         since = idle_for(active, since, now)
         if since is not None and now - since >= idle_s:
+            try:
+                await deregister_once(config)
+            except ApiError as exc:
+                if exc.code is ErrorCode.FAILED_PRECONDITION:
+                    log.info("not winding down: %s", exc.message)
+                    since = None
+                    continue
+                log.warning("deregistering failed (%s); winding down anyway", exc.message)
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+                log.warning("deregistering failed (%s); winding down anyway", _reason(exc))
             log.info("no container for %.0f s: the worker winds down", now - since)
             scope.cancel()
             return
@@ -163,7 +179,9 @@ async def _serve_with(
         if config.mode == "direct":
             cert_key = make_self_signed(f"levers9-worker-{config.worker_id}", _cert_hosts(config))
             port = await nursery.start(serve_direct, config, service, cert_key)
-            nursery.start_soon(register_loop, config, cert_key.fingerprint, port, state.cards)
+            nursery.start_soon(
+                register_loop, config, registration(config, state, cert_key.fingerprint, port)
+            )
             log.info(
                 "worker %s serving directly on %s:%d",
                 config.worker_id,
@@ -174,6 +192,7 @@ async def _serve_with(
             task_status.started(port)
         else:
             nursery.start_soon(run_tunnel, config, service)
+            nursery.start_soon(register_loop, config, registration(config, state))
             task_status.started(None)
 
 
@@ -300,28 +319,72 @@ async def open_controlplane_tls(config: AgentConfig, alpn: tuple[str, ...]) -> T
     return tls
 
 
-async def register_once(config: AgentConfig, registration: Registration) -> None:
+def capacity() -> tuple[int, int]:
+    """CPU (thousandths of a core) and memory (bytes) this worker may give its containers:
+    its cgroup's limits where it has them, else the node's."""
+    cpu = (os.cpu_count() or 1) * 1000
+    memory = int(psutil.virtual_memory().total)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpu = min(cpu, int(int(quota) * 1000 / int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            memory = min(memory, int(limit))
+    except (OSError, ValueError):
+        pass
+    return cpu, memory
+
+
+def registration(
+    config: AgentConfig, state: WorkerState, fingerprint: str | None = None, port: int = 0
+) -> Registration:
+    """What this worker tells the controlplane about itself at every heartbeat."""
+    cpu, memory = capacity()
+    return Registration(
+        worker_id=config.worker_id,
+        version=__version__,
+        mode=config.mode,
+        address=advertised_address(config, port) if config.mode == "direct" else None,
+        fingerprint=fingerprint,
+        node=config.node,
+        cards=state.cards,
+        cpu_millis=cpu,
+        memory_bytes=memory,
+        containers=config.containers is not None,
+    )
+
+
+async def _call_controlplane(config: AgentConfig, path: str, body: object) -> None:
     with trio.fail_after(config.handshake_timeout_s):
         tls = await open_controlplane_tls(config, ("h2",))
+        refused: ApiError | None = None
         async with open_api_client(
             tls, ApiClient, token=config.token, authority=config.controlplane_host
         ) as client:
-            await client.call("POST", f"/v1/workers/{config.worker_id}/register", registration)
+            try:
+                await client.call("POST", path, body)
+            except ApiError as exc:
+                refused = exc  # raised outside the client's nursery: not in an ExceptionGroup
+        if refused is not None:
+            raise refused
 
 
-async def register_loop(
-    config: AgentConfig, fingerprint: str, port: int, cards: tuple[CardInfo, ...] = ()
-) -> None:
-    """Tell the controlplane how to reach us, and keep telling it (it may have restarted)."""
-    registration = Registration(
-        worker_id=config.worker_id,
-        version=__version__,
-        mode="direct",
-        address=advertised_address(config, port),
-        fingerprint=fingerprint,
-        node=config.node,
-        cards=cards,
-    )
+async def register_once(config: AgentConfig, registration: Registration) -> None:
+    await _call_controlplane(config, f"/v1/workers/{config.worker_id}/register", registration)
+
+
+async def deregister_once(config: AgentConfig) -> None:
+    """Tell the controlplane this worker is going away (it takes no more tasks)."""
+    await _call_controlplane(config, f"/v1/workers/{config.worker_id}/deregister", {})
+
+
+async def register_loop(config: AgentConfig, registration: Registration) -> None:
+    """Tell the controlplane how to reach us and what we have, and keep telling it: the
+    registration is the heartbeat (and the controlplane may have restarted)."""
     policy = Backoff(cap_s=min(config.tunnel.backoff_cap_s, config.register_interval_s))
     state = BackoffState()
     while True:

@@ -45,6 +45,7 @@ class Request:
     stream: H2Stream
     authority: str = ""
     principal: str = ""
+    raw_query: str = ""
 
     async def body(self, limit_bytes: int = MAX_JSON_BODY_BYTES) -> bytes:
         try:
@@ -102,6 +103,7 @@ def bearer_token(headers: dict[str, str]) -> str | None:
 
 Handler = Callable[[Request], Awaitable[Response | Any]]
 WebSocketHandler = Callable[[Request, H2WebSocket], Awaitable[None]]
+Dialer = Callable[[str, int, str], Awaitable[trio.abc.HalfCloseableStream]]
 
 
 @attrs.frozen
@@ -111,10 +113,23 @@ class _Route:
     handler: Any
 
     def match(self, parts: Sequence[str]) -> dict[str, str] | None:
+        params: dict[str, str] = {}
+        if self.parts and self.parts[-1].startswith("{") and self.parts[-1].endswith("...}"):
+            # `{name...}` takes the rest of the path (zero or more segments), unquoted as-is.
+            head = len(self.parts) - 1
+            if len(parts) < head:
+                return None
+            params[self.parts[-1][1:-4]] = "/".join(parts[head:])
+            return self._match_fixed(self.parts[:head], parts[:head], params)
         if len(parts) != len(self.parts):
             return None
-        params: dict[str, str] = {}
-        for pattern, value in zip(self.parts, parts, strict=True):
+        return self._match_fixed(self.parts, parts, params)
+
+    @staticmethod
+    def _match_fixed(
+        patterns: Sequence[str], parts: Sequence[str], params: dict[str, str]
+    ) -> dict[str, str] | None:
+        for pattern, value in zip(patterns, parts, strict=True):
             if pattern.startswith("{") and pattern.endswith("}"):
                 if not value:
                     return None
@@ -238,6 +253,7 @@ class Service:
         authenticate: Authenticator,
         connect_policy: ConnectPolicy | None = None,
         resolve_name: Callable[[str], str] | None = None,
+        dial: Dialer | None = None,
         name: str = "worker",
     ) -> None:
         self.router = router
@@ -246,6 +262,9 @@ class Service:
         self.resolve_name = resolve_name
         """Plain CONNECT to a name (not an address): the name → the address to dial, or
         ApiError (containers' ports are reached as `<container id>:<port>`)."""
+        self.dial = dial
+        """Plain CONNECT served by the caller: (host, port, principal) → the stream to splice
+        with (the controlplane reaches a task's port through its worker)."""
         self.name = name
 
     async def __call__(self, stream: H2Stream) -> None:
@@ -299,7 +318,7 @@ class Service:
             raise ApiError(ErrorCode.UNAUTHENTICATED, "missing or wrong bearer token")
         protocol = headers.get(":protocol")
         if method == "CONNECT" and protocol is None:
-            return await self._connect(stream, headers.get(":authority", ""))
+            return await self._connect(stream, headers.get(":authority", ""), principal)
         if method == "CONNECT":
             if protocol != "websocket":
                 raise ApiError(
@@ -344,6 +363,7 @@ class Service:
             stream=stream,
             authority=headers.get(":authority", ""),
             principal=principal,
+            raw_query=query,
         )
 
     async def _respond(self, stream: H2Stream, response: Response) -> None:
@@ -370,8 +390,14 @@ class Service:
                     await stream.send_data(chunk)
         await stream.end()
 
-    async def _connect(self, stream: H2Stream, authority: str) -> int:
+    async def _connect(self, stream: H2Stream, authority: str, principal: str) -> int:
         host, port = parse_authority(authority)
+        if self.dial is not None:
+            remote = await self.dial(host, port, principal)
+            async with remote:
+                await stream.send_headers([(b":status", b"200")])
+                await splice(H2ByteStream(stream), remote)
+            return 200
         if self.resolve_name is not None and not _is_address(host):
             host = self.resolve_name(host)
         elif self.connect_policy is not None:

@@ -9,6 +9,7 @@ dotted path of the field; secrets (worker tokens, API tokens) are hidden from ev
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ from typing import Any
 import attrs
 import yaml
 
-from agent.models import ApiError, structure
+from agent.models import ApiError, GcsCredentials, S3Credentials, structure
+
+WORKSPACE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
 class ConfigError(ValueError):
@@ -46,6 +49,34 @@ class ApiToken:
 
 
 @attrs.frozen
+class BucketConfig:
+    """A bucket a workspace's tasks may mount, with the workspace's own credentials (only in
+    the private values file; held in memory, passed to the worker per container)."""
+
+    name: str
+    url: str
+    s3: S3Credentials | None = None
+    gcs: GcsCredentials | None = None
+
+
+@attrs.frozen
+class WorkspaceConfig:
+    """A workspace: its API tokens (every task call is scoped to the token's workspace) and
+    its buckets."""
+
+    name: str
+    tokens: tuple[ApiToken, ...] = ()
+    buckets: tuple[BucketConfig, ...] = ()
+
+
+@attrs.frozen
+class DatabaseSettings:
+    """Where task records live: one SQLite file (mode 0600), kept across restarts."""
+
+    path: str = "/var/lib/levers9-control/tasks.db"
+
+
+@attrs.frozen
 class TunnelSettings:
     ping_interval_s: float = 15.0
     ping_timeout_s: float = 15.0
@@ -57,6 +88,8 @@ class WorkerSettings:
     tokens: tuple[WorkerToken, ...] = ()
     pools: tuple[Mapping[str, Any], ...] = ()
     connect_timeout_s: float = 10.0
+    lost_after_s: float = 120.0
+    """A worker that cannot be reached for this long has lost the tasks it was running."""
 
 
 @attrs.frozen
@@ -67,8 +100,8 @@ class ControlConfig:
     api_tokens: tuple[ApiToken, ...] = ()
     worker: WorkerSettings = WorkerSettings()
     tunnel: TunnelSettings = TunnelSettings()
-    database: Mapping[str, Any] | None = None
-    workspaces: tuple[Mapping[str, Any], ...] = ()
+    database: DatabaseSettings = DatabaseSettings()
+    workspaces: tuple[WorkspaceConfig, ...] = ()
 
     @property
     def listen_host(self) -> str:
@@ -143,6 +176,47 @@ def _validate(config: ControlConfig) -> None:
                 f"config.worker.tokens[{i}].workerId {entry.worker_id!r} appears twice"
             )
         seen.add(entry.worker_id)
+    tokens: set[str] = set()
     for i, api in enumerate(config.api_tokens):
         if not api.token:
             raise ConfigError(f"config.apiTokens[{i}].token is empty; set a secret token")
+        tokens.add(api.token)
+    names: set[str] = set()
+    for i, workspace in enumerate(config.workspaces):
+        where = f"config.workspaces[{i}]"
+        if not WORKSPACE_NAME.fullmatch(workspace.name):
+            raise ConfigError(
+                f"{where}.name {workspace.name!r} must be 1-63 lowercase letters, digits or '-'"
+            )
+        if workspace.name in names:
+            raise ConfigError(f"{where}.name {workspace.name!r} appears twice")
+        names.add(workspace.name)
+        for j, token in enumerate(workspace.tokens):
+            if not token.token:
+                raise ConfigError(f"{where}.tokens[{j}].token is empty; set a secret token")
+            if token.token in tokens:
+                raise ConfigError(
+                    f"{where}.tokens[{j}] ({token.name}) reuses a token given elsewhere in the "
+                    "config; every token must be unique"
+                )
+            tokens.add(token.token)
+        buckets: set[str] = set()
+        for j, bucket in enumerate(workspace.buckets):
+            if bucket.name in buckets:
+                raise ConfigError(f"{where}.buckets[{j}].name {bucket.name!r} appears twice")
+            buckets.add(bucket.name)
+            if not bucket.url.startswith(("s3://", "gs://")):
+                raise ConfigError(
+                    f"{where}.buckets[{j}].url must be s3://BUCKET[/PREFIX] or "
+                    f"gs://BUCKET[/PREFIX], not {bucket.url!r}"
+                )
+            if bucket.url.startswith("s3://") and bucket.s3 is None:
+                raise ConfigError(
+                    f"{where}.buckets[{j}].s3 is missing; give the credentials for {bucket.url}"
+                )
+            if bucket.url.startswith("gs://") and bucket.gcs is None:
+                raise ConfigError(
+                    f"{where}.buckets[{j}].gcs is missing; give the credentials for {bucket.url}"
+                )
+    if not config.database.path:
+        raise ConfigError("config.database.path is empty; give the task database's file path")

@@ -1,43 +1,263 @@
-"""`make demo`: a controlplane and two workers on loopback, one reached directly, one through
-its tunnel, each answering a request and carrying a byte stream.
+"""`make demo`: the product's main job end to end on this one machine. Users run GPU tasks
+with the `levers9` CLI on machines the controlplane found in two pools, and reach a task's
+HTTP port through the controlplane.
 
-Everything is real and local: the controlplane's public endpoint with a certificate made for
-the demo, two `levers9-agent run` processes configured the way a worker Job configures them
-(environment only) on nodes described to the stand-in NVML library (built here from C; pynvml
-runs its real code path), the `levers9` CLI as a user runs it, and a TCP service on the workers'
-side that the controlplane reaches through each worker's CONNECT stream. The demo stops all
-it started, also when it fails.
+Everything in the path of a task is real: a docker-registry holding busybox, the controlplane
+reconciling its pools through the official Kubernetes client against the API stand-in, worker
+Jobs whose agents the simulated kubelet runs as local processes on stand-in GPU nodes (one pool
+direct, one through its tunnel), runc containers, and the CLI run as a user runs it. It is the
+cluster the end-to-end tests run on (`tests.cluster`), so the demo shows what they check.
+
+One node shares its cards with a neighbour: a pod outside levers9 holding two of its four
+cards exists before the controlplane's first reconcile, so the machine list shows them as held
+by others and the worker there never takes them. The demo exits 0 only if every step worked,
+else it says which step failed and exits 1; it stops everything it started either way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shlex
+import subprocess
 import sys
 import tempfile
-import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import trio
 
-from agent.tls import make_self_signed
-from control.config import parse
-from control.server import Controlplane, serve_controlplane
-from nvml.standin import build_standin, nvlinked_node, standin_environ, write_node
+from agent.logs import setup_logging
+from agent.models import ApiError
+from control.client import ControlClient
+from tests.cluster import Cluster, PoolSpec, open_cluster
+from tests.kube_standin import make_pod, start_kube_standin
+from tests.kubelet import SimNode
+from tests.registry import busybox_image, running_registry
 
-WORKERS = {"w-direct": "direct", "w-tunnel": "tunnel"}
-# Each worker's node, as the stand-in NVML library describes it (no GPU on this machine).
-CARDS = {"w-direct": 4, "w-tunnel": 2}
-STREAM_BYTES = 64 * 1024 * 1024
+DIRECT_NODE = "gpu-node-a"
+TUNNEL_NODE = "gpu-node-b"
+CARDS_PER_NODE = 4
+NEIGHBOUR = "model-server"
+NEIGHBOUR_CARDS = 2
+WORKSPACE = "team-a"
+GPU_COMMAND = ("sh", "-c", "echo cards: $NVIDIA_VISIBLE_DEVICES; ls /dev | grep nvidia")
+HTTP_PORT = 8080
+HTTP_COMMAND = (
+    "sh",
+    "-c",
+    "mkdir -p /www && echo hello from levers9 > /www/index.html && "
+    f"exec httpd -f -p {HTTP_PORT} -h /www",
+)
+WORKERS_READY_S = 60.0
+TASK_S = 60.0
+CLEANUP_S = 40.0
+CALL_S = 20.0
+_CARD_DEVICE = re.compile(r"nvidia\d+")
+
+
+class DemoFailed(Exception):
+    """A step of the demo did not do what it should; the message says which and what it saw."""
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
 
 
+@contextmanager
+def _deadline(what: str, seconds: float) -> Iterator[None]:
+    """`trio.fail_after`, failing the demo with a message that names the step."""
+    try:
+        with trio.fail_after(seconds):
+            yield
+    except trio.TooSlowError:
+        raise DemoFailed(f"{what}: not done within {seconds:g} s") from None
+
+
+async def _levers9(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """`levers9 ARGS` as a user of the demo's workspace runs it, shown with its output."""
+    _say(f"\n$ levers9 {shlex.join(args)}")
+    with _deadline(f"levers9 {args[0]}", TASK_S):
+        result: subprocess.CompletedProcess[bytes] = await cluster.cli(
+            *args, workspace=WORKSPACE, check=False
+        )
+    # Progress (stderr) came before the task's output (stdout); errors are shown either way.
+    for stream in (result.stderr, result.stdout):
+        if text := stream.decode(errors="replace").rstrip():
+            _say(text)
+    return result
+
+
+def _check_exit(result: subprocess.CompletedProcess[bytes], what: str) -> None:
+    if result.returncode != 0:
+        raise DemoFailed(f"{what} exited {result.returncode}; its output is shown above")
+
+
+async def _check_machines(client: ControlClient) -> None:
+    """Both nodes are machines with a worker; the neighbour's cards count as others'."""
+    with _deadline("GET /v1/machines", CALL_S):
+        listing = await client.machines()
+    machines = {m["node"]: m for m in listing.get("machines", [])}
+    for node in (DIRECT_NODE, TUNNEL_NODE):
+        if node not in machines:
+            raise DemoFailed(f"machine list: node {node} is missing (it lists {sorted(machines)})")
+        if not machines[node].get("worker"):
+            raise DemoFailed(f"machine list: node {node} shows no worker")
+    others = machines[TUNNEL_NODE]["cards"]["others"]
+    if others != NEIGHBOUR_CARDS:
+        raise DemoFailed(
+            f"machine list: node {TUNNEL_NODE} shows {others} cards held by others, "
+            f"expected the {NEIGHBOUR_CARDS} of pod default/{NEIGHBOUR}"
+        )
+
+
+async def _run_gpu_task(cluster: Cluster, image: str, cards: int) -> None:
+    result = await _levers9(cluster, "run", "--gpus", str(cards), image, "--", *GPU_COMMAND)
+    _say(f"(exit code {result.returncode})")
+    _check_exit(result, f"the {cards}-card task")
+    lines = result.stdout.decode(errors="replace").splitlines()
+    visible = [line.removeprefix("cards: ") for line in lines if line.startswith("cards: ")]
+    if not visible or len(visible[0].split(",")) != cards:
+        raise DemoFailed(
+            f"the {cards}-card task saw NVIDIA_VISIBLE_DEVICES={visible[0] if visible else ''!r}"
+            f", expected {cards} card(s)"
+        )
+    devices = [line for line in lines if _CARD_DEVICE.fullmatch(line)]
+    if len(devices) != cards:
+        raise DemoFailed(f"the {cards}-card task saw card devices {devices}, expected {cards}")
+
+
+async def _get_page(client: ControlClient, path: str) -> tuple[int, bytes]:
+    """GET `path` through the controlplane, again until the server in the task answers (it
+    may still be starting when the task is reported running)."""
+    while True:
+        try:
+            async with client.stream("GET", path) as response:
+                return response.status, await response.read()
+        except ApiError:
+            await trio.sleep(0.2)
+
+
+async def _serve_http(cluster: Cluster, client: ControlClient, image: str) -> None:
+    result = await _levers9(
+        cluster, "run", "--detach", "--port", str(HTTP_PORT), image, "--", *HTTP_COMMAND
+    )
+    _check_exit(result, "levers9 run --detach")
+    task_id = result.stdout.decode().strip()
+    _say(f"(waiting for task {task_id} to run)")
+    with _deadline(f"task {task_id} starting", TASK_S):
+        while (view := await client.task(task_id)).state != "running":
+            if view.terminal:
+                raise DemoFailed(
+                    f"the HTTP task ended ({view.state}: {view.reason}) before it served"
+                )
+            await trio.sleep(0.2)
+    path = f"/v1/tasks/{task_id}/ports/{HTTP_PORT}/index.html"
+    _say(f"\nGET {cluster.url}{path}")
+    with _deadline(f"GET {path}", CALL_S):
+        status, body = await _get_page(client, path)
+    _say(f"{status} {body.decode(errors='replace').rstrip()}")
+    if status != 200 or body != b"hello from levers9\n":
+        raise DemoFailed(f"GET {path} answered {status} {body[:200]!r}, not the page")
+    _check_exit(await _levers9(cluster, "task", "cancel", task_id), "levers9 task cancel")
+
+
+async def _wait_containers_removed(cluster: Cluster, workers: list[str]) -> None:
+    """Until no worker holds a container: a task's container is stopped and removed after the
+    task ended, and workers stopped earlier would leave it (and its mounts) behind. httpd as
+    PID 1 ignores SIGTERM, so the cancelled task's container takes its stop grace period."""
+    _say("\n(waiting for the workers to stop and remove the tasks' containers)")
+    assert cluster.control is not None
+    registry = cluster.control.registry
+    with _deadline("removing the tasks' containers", CLEANUP_S):
+        for worker_id in workers:
+            client = await registry.client_for(worker_id)
+            while True:
+                held = await client.containers()
+                if not held:
+                    break
+                await trio.sleep(0.2)
+
+
+async def run_demo(workdir: Path) -> None:
+    _say("starting a registry, the Kubernetes API stand-in and the controlplane ...")
+    with running_registry(workdir / "registry") as registry:
+        registry.push("busybox", "latest", busybox_image())
+        image = registry.ref("busybox:latest")
+        kube = start_kube_standin(workdir / "kube")
+        try:
+            # Before the nodes exist, so the first reconcile and the kubelet already see it.
+            kube.kube.add_pod(make_pod(NEIGHBOUR, TUNNEL_NODE, gpu_limit=NEIGHBOUR_CARDS))
+            async with open_cluster(
+                workdir / "cluster",
+                kube.kube,
+                nodes=[
+                    (SimNode(DIRECT_NODE, CARDS_PER_NODE), "direct-pool"),
+                    (SimNode(TUNNEL_NODE, CARDS_PER_NODE), "tunnel-pool"),
+                ],
+                pools=[PoolSpec("direct-pool"), PoolSpec("tunnel-pool", tunnel=True)],
+                agent_env={"LEVERS9_LOG_LEVEL": "WARNING"},
+            ) as cluster:
+                _say(
+                    f"controlplane {cluster.url}; pools direct-pool ({DIRECT_NODE}, direct) "
+                    f"and tunnel-pool ({TUNNEL_NODE}, tunnel); pod default/{NEIGHBOUR} holds "
+                    f"{NEIGHBOUR_CARDS} cards of {TUNNEL_NODE}"
+                )
+                with _deadline("both workers registering", WORKERS_READY_S):
+                    workers = await cluster.wait_workers(2)
+                _say(f"workers ready: {', '.join(workers)}")
+                async with cluster.client(WORKSPACE) as client:
+                    _check_exit(await _levers9(cluster, "machine", "list"), "levers9 machine list")
+                    await _check_machines(client)
+                    await _run_gpu_task(cluster, image, 1)
+                    await _run_gpu_task(cluster, image, 2)
+                    await _serve_http(cluster, client, image)
+                    _check_exit(await _levers9(cluster, "task", "list"), "levers9 task list")
+                await _wait_containers_removed(cluster, workers)
+                _say(
+                    "\ndemo finished: a 1-card and a 2-card task ran on their cards, and a "
+                    "task's HTTP port answered through the controlplane"
+                )
+        finally:
+            kube.stop()
+
+
+def _leaves(group: BaseExceptionGroup[DemoFailed]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+def main() -> int:
+    setup_logging("WARNING")
+    code = 1
+    with tempfile.TemporaryDirectory(prefix="levers9-demo-") as workdir:
+        try:
+            trio.run(run_demo, Path(workdir))
+            code = 0
+        except* DemoFailed as group:
+            for exc in _leaves(group):
+                _say(f"\ndemo failed: {exc}")
+        except* KeyboardInterrupt:
+            _say("\ndemo interrupted; everything it started was stopped")
+            code = 130
+        except* Exception as group:
+            traceback.print_exception(group)
+            _say("\ndemo failed: an unexpected error, shown above")
+    return code
+
+
+# -- kept for tests/test_modes.py, which imports them from here (they belong in tests/) ----------
+
+
 async def open_hash_service(nursery: trio.Nursery) -> int:
     """A TCP service on loopback (the workers' side) that answers the SHA-256 of everything
-    it was sent; returns its port. Tests use it too."""
+    it was sent; returns its port."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
 
     async def handle(stream: trio.SocketStream) -> None:
@@ -67,122 +287,6 @@ async def check_through_hash_service(
         answer += data
     await stream.aclose()
     return answer.decode() == expected.hexdigest()
-
-
-async def run_demo(workdir: Path) -> None:
-    cert = make_self_signed("levers9-demo-controlplane", ["127.0.0.1", "localhost"])
-    ca_file = workdir / "controlplane.pem"
-    key_file = workdir / "controlplane-key.pem"
-    ca_file.write_bytes(cert.cert_pem)
-    key_file.touch(mode=0o600)
-    key_file.write_bytes(cert.key_pem)
-    tokens = {wid: os.urandom(16).hex() for wid in WORKERS}
-    api_token = os.urandom(16).hex()
-    config = parse(
-        {
-            "config": {
-                "publicUrl": "https://127.0.0.1:0",
-                "listen": "127.0.0.1:0",
-                "tls": {"certFile": str(ca_file), "keyFile": str(key_file)},
-                "apiTokens": [{"name": "demo", "token": api_token}],
-                "worker": {"tokens": [{"workerId": k, "token": v} for k, v in tokens.items()]},
-            }
-        }
-    )
-    library = build_standin(workdir / "nvml")
-    agents: list[trio.Process] = []
-    async with trio.open_nursery() as nursery:
-        control: Controlplane = await nursery.start(serve_controlplane, config)
-        url = f"https://127.0.0.1:{control.port}"
-        _say(f"controlplane   {url} (certificate made for this demo)")
-        try:
-            for worker_id, mode in WORKERS.items():
-                env = dict(os.environ)
-                node = write_node(workdir / f"{worker_id}.json", nvlinked_node(CARDS[worker_id]))
-                env.update(standin_environ(library, node))
-                env.update(
-                    NVIDIA_VISIBLE_DEVICES="all",
-                    LEVERS9_NODE_NAME=f"gpu-node-{worker_id.removeprefix('w-')}",
-                )
-                env.update(
-                    LEVERS9_WORKER_ID=worker_id,
-                    LEVERS9_WORKER_TOKEN=tokens[worker_id],
-                    LEVERS9_MODE=mode,
-                    LEVERS9_CONTROLPLANE_URL=url,
-                    LEVERS9_CONTROLPLANE_CA=str(ca_file),
-                    LEVERS9_LISTEN="127.0.0.1:0",
-                    LEVERS9_ADVERTISE_HOST="127.0.0.1",
-                    LEVERS9_LOG_LEVEL="WARNING",
-                    LEVERS9_CONTAINERS="off",
-                )
-                agents.append(
-                    await trio.lowlevel.open_process(
-                        [sys.executable, "-m", "agent.cli", "run"], env=env
-                    )
-                )
-                _say(f"worker         {worker_id}: levers9-agent run, {mode} mode")
-            service_port = await open_hash_service(nursery)
-            for worker_id, mode in WORKERS.items():
-                with trio.fail_after(20):
-                    client = await control.registry.client_for(worker_id)
-                    health = await client.health()
-                    info = await client.worker()
-                _say(
-                    f"\n[{mode}] GET /v1/health -> {health.status}; GET /v1/worker -> "
-                    f"{info.worker_id} v{info.version} on {info.node}, up {info.uptime_s:.1f} s"
-                )
-                for card in info.cards:
-                    _say(
-                        f"[{mode}]   card {card.index} {card.model} "
-                        f"{card.memory_total_bytes >> 30} GiB: {card.state}"
-                    )
-                started = time.perf_counter()
-                with trio.fail_after(60):
-                    stream = await client.connect_tcp("127.0.0.1", service_port)
-                    matches = await check_through_hash_service(stream, STREAM_BYTES)
-                elapsed = time.perf_counter() - started
-                verdict = "matches" if matches else "DIFFERS"
-                _say(
-                    f"[{mode}] CONNECT 127.0.0.1:{service_port} on the worker: "
-                    f"{STREAM_BYTES >> 20} MiB in {elapsed:.2f} s "
-                    f"({STREAM_BYTES / elapsed / 1e6:.0f} MB/s), SHA-256 {verdict}"
-                )
-                if verdict != "matches":
-                    raise SystemExit("the byte stream arrived changed")
-            _say("\n$ levers9 worker list")
-            cli_env = dict(
-                os.environ,
-                LEVERS9_CONTROLPLANE=url,
-                LEVERS9_TOKEN=api_token,
-                LEVERS9_CA=str(ca_file),
-            )
-            result = await trio.run_process(
-                [sys.executable, "-m", "control.cli", "worker", "list"],
-                env=cli_env,
-                capture_stdout=True,
-                check=False,
-            )
-            _say(result.stdout.decode().rstrip())
-            if result.returncode != 0:
-                raise SystemExit("levers9 worker list failed")
-            _say("\ndemo finished: both workers answered and carried a byte stream")
-        finally:
-            with trio.CancelScope(shield=True):
-                for process in agents:
-                    process.terminate()
-                for process in agents:
-                    with trio.move_on_after(5) as scope:
-                        await process.wait()
-                    if scope.cancelled_caught:
-                        process.kill()
-                        await process.wait()
-            nursery.cancel_scope.cancel()
-
-
-def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="levers9-demo-") as workdir:
-        trio.run(run_demo, Path(workdir))
-    return 0
 
 
 if __name__ == "__main__":

@@ -462,6 +462,8 @@ class KubeApi(Protocol):
         self, namespace: str, manifest: Mapping[str, Any]
     ) -> dict[str, Any]: ...
 
+    async def read_secret_value(self, namespace: str, name: str, key: str) -> str | None: ...
+
     async def delete_job(self, namespace: str, name: str) -> None: ...
 
     async def delete_secret(self, namespace: str, name: str) -> None: ...
@@ -596,6 +598,23 @@ class KubeClient:
         result.pop("data", None)
         result.pop("stringData", None)
         return result
+
+    async def read_secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One value of a Secret (decoded), or None when the Secret or the key is missing."""
+        op = Operation("get", "secrets", "", namespace, name)
+        try:
+            result: dict[str, Any] = await self._call(
+                op, self._core.read_namespaced_secret, name, namespace
+            )
+        except KubeNotFound:
+            return None
+        encoded = (result.get("data") or {}).get(key)
+        if not isinstance(encoded, str):
+            return None
+        try:
+            return base64.b64decode(encoded).decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
 
     async def delete_job(self, namespace: str, name: str) -> None:
         op = Operation("delete", "jobs", "batch", namespace, name)

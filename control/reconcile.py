@@ -571,6 +571,11 @@ def _finished(job: Mapping[str, Any]) -> bool:
     return bool(status.get("succeeded") or status.get("failed"))
 
 
+def job_active(job: Mapping[str, Any]) -> bool:
+    """The Job's worker may still run: not finished and not being deleted."""
+    return not _finished(job) and not (job.get("metadata") or {}).get("deletionTimestamp")
+
+
 def _read_job(job: Mapping[str, Any]) -> _Job | None:
     metadata = job.get("metadata") or {}
     labels = metadata.get("labels") or {}
@@ -587,7 +592,7 @@ def _read_job(job: Mapping[str, Any]) -> _Job | None:
         node=node,
         generation=generation,
         created_at=_timestamp(metadata.get("creationTimestamp")),
-        active=not _finished(job) and not metadata.get("deletionTimestamp"),
+        active=job_active(job),
     )
 
 

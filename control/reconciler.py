@@ -18,7 +18,7 @@ import calendar
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -28,6 +28,7 @@ from control.kube import KubeAlreadyExists, KubeApi, KubeError, KubeNotFound
 from control.pools import PoolConfig
 from control.reconcile import (
     POOL_LABEL,
+    TOKEN_KEY,
     CreateJob,
     DeleteJob,
     Machine,
@@ -36,6 +37,7 @@ from control.reconcile import (
     PoolSettings,
     Selector,
     WorkerRecord,
+    job_active,
     job_manifest,
     label_selector_text,
     plan_pool,
@@ -105,6 +107,7 @@ class PoolReconciler:
         controlplane_url: str,
         extra_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.time,
+        on_worker_gone: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings_of(pool)
         self.kube = kube
@@ -113,6 +116,8 @@ class PoolReconciler:
         self.extra_env = dict(extra_env or {})
         self.clock = clock
         self.records: dict[str, WorkerRecord] = {}
+        self.on_worker_gone = on_worker_gone
+        self._gone: set[str] = set()
         self.status = PoolStatus(pool=pool.name)
         self.passes = trio.lowlevel.ParkingLot()
         self._namespace_ready = False
@@ -163,6 +168,8 @@ class PoolReconciler:
         pods = await self.kube.list_pods()
         jobs = await self.kube.list_jobs(namespace, self._jobs_selector)
         now = self.clock()
+        await self._adopt_tokens(jobs)
+        await self._note_finished(jobs)
         self._fold_in(jobs, now)
         plan = plan_pool(self.settings, nodes, pods, jobs, self.records.values(), now)
         for action in plan.actions:
@@ -171,6 +178,31 @@ class PoolReconciler:
             else:
                 await self._delete(action)
         return plan
+
+    async def _adopt_tokens(self, jobs: list[dict[str, Any]]) -> None:
+        """A Job started before this controlplane (re)started: read its worker's token back
+        from the Job's Secret, so the worker can register and reconnect its tunnel."""
+        for job in jobs:
+            name = str((job.get("metadata") or {}).get("name", ""))
+            if not name or self.registry.knows(name) or not job_active(job):
+                continue
+            token = await self.kube.read_secret_value(
+                self.settings.namespace, token_secret_name(name), TOKEN_KEY
+            )
+            if token:
+                self.registry.add_worker(name, token)
+                log.info("pool %s: adopted worker %s", self.settings.name, name)
+
+    async def _note_finished(self, jobs: list[dict[str, Any]]) -> None:
+        """A worker whose Job has ended (the agent exited or was killed) is gone: whatever it
+        was running is lost."""
+        for job in jobs:
+            name = str((job.get("metadata") or {}).get("name", ""))
+            if not name or job_active(job) or name in self._gone:
+                continue
+            self._gone.add(name)
+            if self.on_worker_gone is not None:
+                await self.on_worker_gone(name, f"its Job {name} ended")
 
     def _fold_in(self, jobs: list[dict[str, Any]], now: float) -> None:
         """Records for Jobs we did not start in this process (a controlplane restart), and the
@@ -242,6 +274,9 @@ class PoolReconciler:
             except KubeNotFound:
                 pass
         await self.registry.remove_worker(action.name)
+        if self.on_worker_gone is not None and action.name not in self._gone:
+            self._gone.add(action.name)
+            await self.on_worker_gone(action.name, f"its Job was deleted ({action.reason})")
         log.info("pool %s: deleted worker %s (%s)", self.settings.name, action.name, action.reason)
 
     async def remove_all(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import trio
@@ -38,6 +38,12 @@ class WorkerEntry:
     node: str | None = None
     registered_at: float | None = None
     cards: int = 0
+    card_ids: tuple[str, ...] = ()
+    cpu_millis: int = 0
+    memory_bytes: int = 0
+    runs_containers: bool = False
+    draining: bool = False
+    """The worker deregistered (it is winding down): it takes no more tasks."""
     tunnel: WorkerClient | None = None
     direct: WorkerClient | None = None
 
@@ -63,6 +69,13 @@ class WorkerRegistry:
         self._keepalive = keepalive
         self._changed = trio.lowlevel.ParkingLot()
         self._dial_locks: dict[str, trio.Lock] = {}
+        self.listeners: list[Callable[[], None]] = []
+        """Called after any change a scheduler cares about (registration, tunnel, removal)."""
+
+    def _notify(self) -> None:
+        self._changed.unpark_all()
+        for listener in self.listeners:
+            listener()
 
     # -- who is who --
 
@@ -82,7 +95,10 @@ class WorkerRegistry:
         for client in (entry.direct, entry.tunnel):
             if client is not None:
                 await client.aclose()
-        self._changed.unpark_all()
+        self._notify()
+
+    def knows(self, worker_id: str) -> bool:
+        return worker_id in self._entries
 
     def last_seen(self, worker_id: str, now: float) -> float | None:
         """When the worker was last heard from: now while it is connected, else when it last
@@ -129,14 +145,33 @@ class WorkerRegistry:
             ):
                 # A new worker process (new key) or a new address: forget the old connection.
                 self._drop_direct(entry)
+        if entry.direct is not None and not entry.direct.conn.usable:
+            self._drop_direct(entry)  # the next call dials again
         entry.mode = registration.mode
         entry.version = registration.version
         entry.address = registration.address
         entry.fingerprint = registration.fingerprint
         entry.node = registration.node
-        entry.cards = sum(1 for c in registration.cards if c.state == "serving")
+        serving = tuple(c.uuid for c in registration.cards if c.state == "serving")
+        entry.cards = len(serving)
+        entry.card_ids = serving
+        entry.cpu_millis = registration.cpu_millis or 0
+        entry.memory_bytes = registration.memory_bytes or 0
+        entry.runs_containers = registration.containers
         entry.registered_at = time.time()
-        self._changed.unpark_all()
+        self._notify()
+
+    def deregister(self, worker_id: str) -> None:
+        """The worker is winding down: it stays reachable (its tasks' logs) but takes no more
+        tasks."""
+        self._entry(worker_id).draining = True
+        self._notify()
+
+    def entries(self) -> list[WorkerEntry]:
+        return list(self._entries.values())
+
+    def entry(self, worker_id: str) -> WorkerEntry | None:
+        return self._entries.get(worker_id)
 
     def _drop_direct(self, entry: WorkerEntry) -> None:
         if entry.direct is not None:
@@ -200,7 +235,7 @@ class WorkerRegistry:
         if old is not None and old is not client and not old.conn.closed:
             # The agent drains the old tunnel itself (GOAWAY); we just stop using it.
             log.info("worker %s opened a new tunnel; the old one drains", worker_id)
-        self._changed.unpark_all()
+        self._notify()
 
     def learn(self, info: WorkerInfo) -> None:
         """Record what a worker said about itself."""
@@ -209,13 +244,14 @@ class WorkerRegistry:
             return
         entry.version = info.version
         entry.node = info.node
-        entry.cards = sum(1 for c in info.cards if c.state == "serving")
+        entry.card_ids = tuple(c.uuid for c in info.cards if c.state == "serving")
+        entry.cards = len(entry.card_ids)
 
     def detach_tunnel(self, worker_id: str, client: WorkerClient) -> None:
         entry = self._entries.get(worker_id)
         if entry is not None and entry.tunnel is client:
             entry.tunnel = None
-            self._changed.unpark_all()
+            self._notify()
 
     # -- callers --
 

@@ -26,10 +26,15 @@ from agent.service import JsonResponse, Request, Router, Service, bearer_token
 from agent.tls import TLSStream
 from agent.wsstream import WebSocketStream, wrap_server
 from control.config import ControlConfig
+from control.dispatch import Dispatcher
+from control.endpoints import EndpointProxy
 from control.kube import open_kube_client
 from control.pools import PoolConfig, load_pools
 from control.reconciler import PoolReconciler
 from control.registry import WorkerRegistry
+from control.task_routes import WORKSPACE_PREFIX, add_task_routes
+from control.tasks import open_task_store
+from control.workspaces import Workspaces
 
 REMOVE_POOL_S = 60.0
 """How long a removed pool's Jobs may take to delete before its loop stops anyway."""
@@ -59,14 +64,26 @@ def server_ssl_context(config: ControlConfig) -> ssl.SSLContext:
 
 
 class Controlplane:
-    def __init__(self, config: ControlConfig, registry: WorkerRegistry) -> None:
+    def __init__(
+        self, config: ControlConfig, registry: WorkerRegistry, dispatcher: Dispatcher
+    ) -> None:
         self.config = config
         self.registry = registry
+        self.dispatcher = dispatcher
+        self.workspaces = dispatcher.workspaces
+        self.proxy = EndpointProxy()
+
+        async def forget_connections(task_id: str) -> None:
+            await self.proxy.forget_where(lambda key: isinstance(key, tuple) and key[1] == task_id)
+
+        dispatcher.on_ended.append(forget_connections)
         self._api_tokens = {t.token: t.name for t in config.api_tokens}
         self._pools: dict[str, _PoolRun] = {}
         self._nursery: trio.Nursery | None = None
         self.pool_env: Mapping[str, str] | None = None
-        self.service = Service(self._router(), authenticate=self._authenticate, name="control")
+        router = self._router()
+        dial = add_task_routes(router, dispatcher, self.proxy)
+        self.service = Service(router, authenticate=self._authenticate, dial=dial, name="control")
         self.port = 0
         self.keepalive = KeepaliveConfig(
             ping_interval_s=config.tunnel.ping_interval_s,
@@ -83,6 +100,9 @@ class Controlplane:
                 api = name
         if api is not None:
             return f"api:{api}"
+        workspace = self.workspaces.authenticate(token)
+        if workspace is not None:
+            return f"{WORKSPACE_PREFIX}{workspace}"
         worker = self.registry.authenticate_worker(token)
         return f"worker:{worker}" if worker is not None else None
 
@@ -91,6 +111,12 @@ class Controlplane:
 
         def require_api(request: Request) -> None:
             if not request.principal.startswith("api:"):
+                raise ApiError(
+                    ErrorCode.PERMISSION_DENIED, "this call needs an operator token (apiTokens)"
+                )
+
+        def require_user(request: Request) -> None:
+            if not request.principal.startswith(("api:", WORKSPACE_PREFIX)):
                 raise ApiError(ErrorCode.PERMISSION_DENIED, "this call needs an API token")
 
         async def register(request: Request) -> WorkerSummary:
@@ -109,6 +135,22 @@ class Controlplane:
             self.registry.register(registration)
             return next(w for w in self.registry.list() if w.worker_id == worker_id)
 
+        async def deregister(request: Request) -> JsonResponse:
+            worker_id = request.params["worker_id"]
+            if request.principal != f"worker:{worker_id}":
+                raise ApiError(
+                    ErrorCode.PERMISSION_DENIED,
+                    f"this token may not deregister worker {worker_id}",
+                )
+            if self.dispatcher.has_tasks(worker_id):
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"worker {worker_id} has tasks placed on it; it stays",
+                )
+            self.registry.deregister(worker_id)
+            log.info("worker %s deregistered: it winds down", worker_id)
+            return JsonResponse({})
+
         async def list_workers(request: Request) -> WorkerList:
             require_api(request)
             return WorkerList(tuple(self.registry.list()))
@@ -126,7 +168,7 @@ class Controlplane:
             )
 
         async def list_machines(request: Request) -> JsonResponse:
-            require_api(request)
+            require_user(request)
             return JsonResponse(
                 {
                     "machines": [m.to_json() for r in self.pools for m in r.status.machines],
@@ -146,6 +188,7 @@ class Controlplane:
 
         router.add("GET", "/v1/machines", list_machines)
         router.add("POST", "/v1/workers/{worker_id}/register", register)
+        router.add("POST", "/v1/workers/{worker_id}/deregister", deregister)
         router.add("GET", "/v1/workers", list_workers)
         router.add("GET", "/v1/workers/{worker_id}", get_worker)
         return router
@@ -183,6 +226,7 @@ class Controlplane:
                     self.registry,
                     controlplane_url=self.config.public_url,
                     extra_env=self.pool_env,
+                    on_worker_gone=self.dispatcher.worker_gone,
                 )
                 with run.scope:
                     await run.reconciler.run(task_status=task_status)
@@ -285,7 +329,7 @@ async def serve_controlplane(
     Job (e.g. the controlplane's CA for agents)."""
     context = server_ssl_context(config)
     pools = load_pools(config.worker.pools).pools
-    async with trio.open_nursery() as nursery:
+    async with open_task_store(config.database.path) as store, trio.open_nursery() as nursery:
         registry = WorkerRegistry(
             {t.worker_id: t.token for t in config.worker.tokens},
             nursery,
@@ -294,7 +338,13 @@ async def serve_controlplane(
                 ping_timeout_s=config.tunnel.ping_timeout_s,
             ),
         )
-        control = Controlplane(config, registry)
+        dispatcher = Dispatcher(
+            store,
+            registry,
+            Workspaces(config.workspaces),
+            lost_after_s=config.worker.lost_after_s,
+        )
+        control = Controlplane(config, registry, dispatcher)
         control.pool_env = pool_env
         control._nursery = nursery
         listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
@@ -304,7 +354,13 @@ async def serve_controlplane(
         async def handle(tcp: trio.SocketStream) -> None:
             await control.handle_connection(tcp, context)
 
+        await nursery.start(dispatcher.run)
         await nursery.start(trio.serve_listeners, handle, listeners)
         log.info("controlplane listening on %s:%d", config.listen_host, port)
         await control.set_pools(pools)
         task_status.started(control)
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await control.proxy.aclose()

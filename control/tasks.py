@@ -71,6 +71,7 @@ class TaskSpec:
     volumes: tuple[VolumeSpec, ...] = ()
     ports: tuple[int, ...] = ()
     timeout_s: float | None = None
+    snapshot: str | None = None
 
 
 def _invalid(field: str, message: str) -> ApiError:
@@ -153,7 +154,10 @@ class Start:
 
 @attrs.frozen
 class Running:
+    """The container runs, on these card UUIDs (known once the worker assigned them)."""
+
     kind: ClassVar[str] = "running"
+    cards: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -191,7 +195,7 @@ TaskEvent = Start | Running | Exited | Failed | Cancel | Lost
 
 def _start(record: TaskRecord, event: Any, now: float) -> TaskRecord:
     assert isinstance(event, Start)
-    if len(event.cards) != record.spec.cards:
+    if event.cards and len(event.cards) != record.spec.cards:
         raise ApiError(
             ErrorCode.INVALID_ARGUMENT,
             f"task {record.id} asks for {record.spec.cards} card(s) but start gave "
@@ -209,7 +213,10 @@ def _start(record: TaskRecord, event: Any, now: float) -> TaskRecord:
 
 
 def _running(record: TaskRecord, event: Any, now: float) -> TaskRecord:
-    return attrs.evolve(record, state=TaskState.RUNNING, running_at=now)
+    assert isinstance(event, Running)
+    return attrs.evolve(
+        record, state=TaskState.RUNNING, running_at=now, cards=event.cards or record.cards
+    )
 
 
 def _exited(record: TaskRecord, event: Any, now: float) -> TaskRecord:
@@ -303,6 +310,13 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX tasks_workspace_state ON tasks (workspace, state, seq);
     CREATE INDEX tasks_state ON tasks (state, seq);
     CREATE INDEX tasks_worker_state ON tasks (worker, state);
+    """,
+    # 2: what an ended task printed (its container is gone from the worker by then).
+    """
+    CREATE TABLE task_logs (
+        id TEXT PRIMARY KEY REFERENCES tasks (id),
+        lines BLOB NOT NULL
+    );
     """,
 )
 """Schema migrations; the file's version is how many of these it has had."""
@@ -495,6 +509,42 @@ class TaskStore:
 
         def select(conn: sqlite3.Connection) -> tuple[TaskRecord, ...]:
             return _active_on(conn, worker)
+
+        return await self._run(select)
+
+    async def active(self) -> tuple[TaskRecord, ...]:
+        """Every task placed on a worker that has not ended (starting or running), oldest
+        first: what a restarted controlplane watches again."""
+
+        def select(conn: sqlite3.Connection) -> tuple[TaskRecord, ...]:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM tasks WHERE state IN (?, ?) ORDER BY seq",
+                tuple(s.value for s in ACTIVE_ON_WORKER),
+            )
+            return tuple(_row_to_record(r) for r in rows)
+
+        return await self._run(select)
+
+    async def save_logs(self, task_id: str, lines: bytes) -> None:
+        """Keep an ended task's log (NDJSON lines) for `levers9 task logs` after its worker has
+        let the container go."""
+
+        def save(conn: sqlite3.Connection) -> None:
+            with _transaction(conn):
+                conn.execute(
+                    "INSERT OR REPLACE INTO task_logs (id, lines) VALUES (?, ?)", (task_id, lines)
+                )
+
+        await self._run(save)
+
+    async def logs(self, workspace: str, task_id: str) -> bytes | None:
+        """The kept log of an ended task, None when none was kept."""
+
+        def select(conn: sqlite3.Connection) -> bytes | None:
+            if _select_one(conn, workspace, task_id) is None:
+                raise _not_found(task_id)
+            row = conn.execute("SELECT lines FROM task_logs WHERE id=?", (task_id,)).fetchone()
+            return None if row is None else bytes(row[0])
 
         return await self._run(select)
 

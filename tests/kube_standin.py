@@ -596,6 +596,28 @@ class KubeStandin:
         """Stores `obj` (any served resource) as it is, bumping its resourceVersion."""
         return self._put(plural, obj, create=False)
 
+    def create(self, plural: str, obj: Obj) -> Obj:
+        """Creates `obj` as a POST does: `KubeError` 409 when the name is taken, the apiserver's
+        defaulting applied and, for a Job, the `on_job_created` hooks run. Returns the stored
+        object (its `metadata.uid` is what an owner reference needs)."""
+        res = _resource(plural)
+        body = {**obj, "metadata": dict(obj.get("metadata") or {})}
+        namespace = (body["metadata"].get("namespace") or "default") if res.namespaced else ""
+        return self._create(res, namespace, body)
+
+    def patch(self, plural: str, name: str, patch: Obj, namespace: str = "default") -> Obj | None:
+        """Applies a JSON merge patch (RFC 7386) to the stored object in one step, as a
+        controller's status or binding write does; None when the object is gone (it is never
+        re-created, unlike `update`). `namespace` is ignored for cluster-scoped resources."""
+        res = _resource(plural)
+        with self._lock:
+            try:
+                return self._patch(res, namespace if res.namespaced else "", name, patch, "")
+            except KubeError as err:
+                if err.code == 404:
+                    return None
+                raise
+
     def get(self, plural: str, name: str, namespace: str = "") -> Obj | None:
         res = _resource(plural)
         stored = self._store[plural].get((namespace if res.namespaced else "", name))

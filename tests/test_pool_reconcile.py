@@ -376,6 +376,7 @@ async def test_the_controlplane_process_applies_its_pools_again_on_sighup(
             "tls": {"certFile": str(pki.cert_file), "keyFile": str(pki.key_file)},
             "apiTokens": [{"name": "tests", "token": API_TOKEN}],
             "worker": {"pools": [pool_block(kube)]},
+            "database": {"path": str(tmp_path / "tasks.db")},
         }
     }
     values.write_text(json.dumps(base))

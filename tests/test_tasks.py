@@ -112,9 +112,17 @@ def test_refused_transition_names_task_state_and_event(state: TaskState, name: s
 
 def test_start_with_wrong_card_count_is_refused() -> None:
     with pytest.raises(ApiError) as info:
-        transition(record_in(P), Start(worker="w1", cards=()), now=1.0)
+        transition(record_in(P), Start(worker="w1", cards=("GPU-a", "GPU-b", "GPU-c")), now=1.0)
     assert info.value.code is ErrorCode.INVALID_ARGUMENT
     assert info.value.field == "cards"
+
+
+def test_cards_learned_when_the_container_runs() -> None:
+    started = transition(record_in(P), Start(worker="w1"), now=1.0)
+    assert started.cards == ()
+    running = transition(started, Running(cards=("GPU-a",)), now=2.0)
+    assert running.cards == ("GPU-a",)
+    assert running.running_at == 2.0
 
 
 # -- the store -------------------------------------------------------------------------------
@@ -292,6 +300,23 @@ async def test_volume_credentials_never_reach_the_database(tmp_path: Path) -> No
     for secret in [*secrets, "GOOGID"]:
         assert secret.encode() not in during
         assert secret.encode() not in after
+
+
+async def test_ended_tasks_logs_are_kept_across_restart_and_scoped(tmp_path: Path) -> None:
+    path = tmp_path / "tasks.db"
+    async with open_task_store(path) as first:
+        task = await first.create("ws-a", spec())
+        await first.apply("ws-a", task.id, Start(worker="w1"))
+        assert [r.id for r in await first.active()] == [task.id]
+        await first.apply("ws-a", task.id, Exited(0))
+        assert await first.active() == ()
+        assert await first.logs("ws-a", task.id) is None
+        await first.save_logs(task.id, b'{"text":"hello"}\n')
+    async with open_task_store(path) as second:
+        assert await second.logs("ws-a", task.id) == b'{"text":"hello"}\n'
+        with pytest.raises(ApiError) as info:
+            await second.logs("ws-b", task.id)
+        assert info.value.code is ErrorCode.NOT_FOUND
 
 
 async def test_concurrent_creates_get_distinct_ids_in_order(store: TaskStore) -> None:

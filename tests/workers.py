@@ -50,6 +50,7 @@ def control_config(pki: Pki, *, port: int = 0, ping_interval_s: float = 15.0) ->
                     "tokens": [{"workerId": k, "token": v} for k, v in WORKER_TOKENS.items()]
                 },
                 "tunnel": {"pingIntervalS": ping_interval_s, "pingTimeoutS": ping_interval_s},
+                "database": {"path": str(pki.ca_file.parent / "tasks.db")},
             }
         }
     )

@@ -1,0 +1,543 @@
+"""The end-to-end benchmark: what a user of a whole installation waits for, against bare runc
+and direct HTTP measured in the same run.
+
+One loopback installation (`tests.cluster.open_cluster`: Kubernetes stand-in, simulated
+kubelet, controlplane, registry) with two nodes, one in a direct-mode pool (1 card) and one in a
+tunnel-mode pool (2 cards). The scheduler's best fit decides placement, so a task's card count
+picks its worker: 0 cards lands on the direct-mode worker, 2 cards can only go to the tunnel one.
+
+- First log: `levers9 run IMAGE -- echo hello` as a user runs it (the CLI as a subprocess) until
+  ``hello`` is on its stdout, with the worker warm and the image cached; the same through
+  `control.client` in this process (a fresh connection each time, no Python start-up); the CLI's
+  bare start-up (``--version``); and the anchor, a bare ``runc run`` of the same image from a
+  prepared bundle (`bench.containers`' bundle). The three take turns each repeat.
+- Endpoint: GETs of a small file served by busybox ``httpd`` in a task on the tunnel worker,
+  through the controlplane's endpoint route over ONE HTTP/2 connection with C concurrent
+  streams, against C concurrent HTTP/1.1 clients straight to the container's address (busybox
+  closes each connection, so a new one per request). Optionally the same route to a task on the
+  direct-mode worker.
+
+The load comes from a child process (this module with ``--load-generator``) so that the client's
+work does not share a Python thread with the controlplane it measures, as it never would.
+
+    python -m bench.e2e [--quick] --json FILE
+
+Needs root, runc and docker-registry (`make deps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from agent.config import ContainerConfig
+from agent.containers import open_container_manager
+from agent.models import ContainerSpec
+from agent.runc import remove_cgroup
+from bench.anchors import percentile
+from bench.containers import _bare_bundle
+from bench.report import render_table, write_report
+from bench.tunnel import Terminated, run_until_sigterm
+from control.client import ControlClient, open_control_client
+from control.models import TaskRequest, TaskView
+from tests.cluster import REPO, Cluster, PoolSpec, open_cluster
+from tests.kube_standin import start_kube_standin
+from tests.kubelet import SimNode
+from tests.registry import busybox_image, push, running_registry
+
+
+@attrs.frozen
+class Plan:
+    first_logs: int
+    """Repeats of each first-log measurement (CLI, API, bare runc)."""
+    concurrency: int
+    """Concurrent HTTP/2 streams, or HTTP/1.1 connections, of the endpoint load."""
+    duration_s: float
+    """How long each endpoint load runs (after an untimed warm-up)."""
+    direct_mode: bool = True
+    """Also the endpoint route to a task on the direct-mode worker."""
+
+
+QUICK = Plan(first_logs=3, concurrency=16, duration_s=1.0)
+FULL = Plan(first_logs=10, concurrency=16, duration_s=5.0)
+
+FIRST_LOG_TARGET_S = 0.5
+GREETING = "hello"
+HTTP_PORT = 8080
+PAGE = "hello from levers9 " * 8
+SERVER = (
+    f"mkdir -p /www && echo '{PAGE}' > /www/index.html && echo ready && "
+    f"exec httpd -f -p {HTTP_PORT} -h /www"
+)
+CLUSTER_START_DEADLINE_S = 90.0
+TASK_DEADLINE_S = 90.0
+"""Bounds each step that waits on a task (warm-up pull, a first log, a server becoming ready)."""
+LOAD_DEADLINE_S = 120.0
+WARMUP_S = 0.5
+READY_POLL_S = 0.05
+ANCHOR_TABLE, ANCHOR_PREFIX, ANCHOR_POOL = "levers9_bench_e2e", "be", "169.254.96.0/20"
+"""The anchor's container manager keeps out of the simulated nodes' names and addresses."""
+IDLE_NODES = 6
+"""Nodes in no pool, listed first: the simulated kubelet names each node's container network
+(nft table, interface prefix, addresses) by its index, so ours get the last two (k6, k7) and
+stay clear of the tests' k0, k1, ... when both run on one machine at the same time."""
+
+
+class BenchError(RuntimeError):
+    """A step of the benchmark failed; the message says which and what it saw."""
+
+
+_STARTED = time.monotonic()
+
+
+def _say(message: str) -> None:
+    print(f"  [{time.monotonic() - _STARTED:5.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+# --- the anchor's bundle --------------------------------------------------------------------
+
+
+async def prepare_runc_bundle(workdir: Path, image: str) -> Path:
+    """A bundle for bare ``runc run`` of `image` running ``echo hello``: our container's config
+    with a plain copy of its rootfs (`bench.containers`' bundle), the command swapped."""
+    config = ContainerConfig(
+        state_dir=workdir / "anchor-state",
+        free_floor_bytes=0,
+        network_table=ANCHOR_TABLE,
+        network_prefix=ANCHOR_PREFIX,
+        network_pool=ANCHOR_POOL,
+    )
+    async with open_container_manager(config) as manager:
+        source = await manager.wait_settled(
+            await manager.create(ContainerSpec(image=image, id="source", command=("sleep", "600")))
+        )
+        if source.state != "running":
+            raise BenchError(f"the anchor's source container is {source.state}, not running")
+        bundle = _bare_bundle(manager, "source", workdir)
+        await manager.delete("source")
+    config_path = bundle / "config.json"
+    spec = json.loads(config_path.read_text())
+    spec["process"]["args"] = ["echo", GREETING]
+    spec["process"]["terminal"] = False
+    config_path.write_text(json.dumps(spec))
+    return bundle
+
+
+# --- time to a line on a child's stdout -----------------------------------------------------
+
+
+async def time_to_line(
+    argv: Sequence[str], text: str, *, env: Mapping[str, str] | None = None
+) -> float:
+    """Seconds from starting `argv` to the line `text` on its stdout; then waits for it to
+    exit and checks it succeeded. A cancelled wait kills the child."""
+    began = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            functools.partial(
+                trio.run_process,
+                list(argv),
+                env=env,
+                cwd=REPO,
+                stdin=b"",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                check=False,
+            )
+        )
+        assert process.stdout is not None and process.stderr is not None
+        errors = bytearray()
+
+        async def drain_stderr() -> None:
+            assert process.stderr is not None
+            while chunk := await process.stderr.receive_some():
+                errors.extend(chunk[-4000:])
+
+        nursery.start_soon(drain_stderr)
+        seen = b""
+        elapsed: float | None = None
+        while chunk := await process.stdout.receive_some():
+            seen += chunk
+            if elapsed is None and f"{text}\n".encode() in seen:
+                elapsed = time.perf_counter() - began
+    code = await process.wait()
+    if elapsed is None or code != 0:
+        raise BenchError(
+            f"{argv[0]} ... {argv[-1]} exited {code} "
+            f"{'without' if elapsed is None else 'after'} printing {text!r}; stdout "
+            f"{seen[-500:]!r}, stderr {bytes(errors)[-1000:]!r}"
+        )
+    return elapsed
+
+
+async def runc_first_log(runc_root: Path, bundle: Path, n: int) -> float:
+    container_id = f"bench-e2e-{n}"
+    try:
+        return await time_to_line(
+            ["runc", "--root", str(runc_root), "run", "--bundle", str(bundle), container_id],
+            GREETING,
+        )
+    finally:
+        await trio.run_process(
+            ["runc", "--root", str(runc_root), "delete", "-f", container_id],
+            check=False,
+            capture_stdout=True,
+            capture_stderr=True,
+        )
+        remove_cgroup(f"/levers9/{container_id}")
+
+
+async def api_first_log(cluster: Cluster, image: str) -> float:
+    """Create the task and read the first line of its followed log, on a fresh connection."""
+    began = time.perf_counter()
+    async with cluster.client() as client:
+        task = await client.create_task(TaskRequest(image=image, command=("echo", GREETING)))
+        async for line in client.task_logs(task.id, follow=True):
+            elapsed = time.perf_counter() - began
+            if line.text != GREETING:
+                raise BenchError(f"task {task.id} logged {line.text!r} before {GREETING!r}")
+            break
+        else:
+            raise BenchError(f"task {task.id}'s log ended without a line")
+        done = await client.wait_task(task.id)
+    if done.state != "succeeded":
+        raise BenchError(f"task {task.id} ended {done.state}: {done}")
+    return elapsed
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "control.cli", *args]
+
+
+async def measure_first_logs(
+    cluster: Cluster, image: str, bundle: Path, runc_root: Path, repeats: int
+) -> dict[str, list[float]]:
+    env = cluster.cli_env()
+    async with cluster.client() as client:
+        # The warm-up: the image is pulled and cached, the worker has run a container.
+        warm = await client.create_task(TaskRequest(image=image, command=("echo", GREETING)))
+        done = await client.wait_task(warm.id)
+    if done.state != "succeeded":
+        raise BenchError(f"the warm-up task ended {done.state}: {done}")
+    await time_to_line(_cli("run", image, "--", "echo", GREETING), GREETING, env=env)
+    await runc_first_log(runc_root, bundle, -1)
+    samples: dict[str, list[float]] = {"cli": [], "api": [], "runc": [], "startup": []}
+    for n in range(repeats):
+        samples["cli"].append(
+            await time_to_line(_cli("run", image, "--", "echo", GREETING), GREETING, env=env)
+        )
+        samples["api"].append(await api_first_log(cluster, image))
+        samples["runc"].append(await runc_first_log(runc_root, bundle, n))
+        began = time.perf_counter()
+        await trio.run_process(_cli("--version"), cwd=REPO, env=env, capture_stdout=True)
+        samples["startup"].append(time.perf_counter() - began)
+    return samples
+
+
+# --- endpoint load --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class LoadResult:
+    requests: int
+    errors: int
+    elapsed_s: float
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.elapsed_s
+
+
+async def _endpoint_get(client: ControlClient, path: str) -> None:
+    async with client.stream("GET", path) as response:
+        body = await response.read()
+    if response.status != 200 or not body.startswith(PAGE[:5].encode()):
+        raise BenchError(f"GET {path} answered {response.status} {body[:80]!r}")
+
+
+async def _direct_get(host: str, port: int) -> None:
+    async with await trio.open_tcp_stream(host, port) as stream:
+        await stream.send_all(b"GET /index.html HTTP/1.0\r\nHost: bench\r\n\r\n")
+        answer = b""
+        while chunk := await stream.receive_some(65536):
+            answer += chunk
+    if not answer.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")):
+        raise BenchError(f"GET http://{host}:{port}/index.html answered {answer[:80]!r}")
+
+
+async def _load(spec: Mapping[str, Any]) -> LoadResult:
+    """Run `spec`'s GETs from `concurrency` workers for `duration_s` (after a warm-up)."""
+    concurrency = int(spec["concurrency"])
+
+    async def run(get: Any, duration_s: float) -> LoadResult:
+        latencies: list[float] = []
+        errors = 0
+        began = time.perf_counter()
+        deadline = began + duration_s
+
+        async def worker() -> None:
+            nonlocal errors
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                try:
+                    await get()
+                except (BenchError, OSError, trio.BrokenResourceError) as exc:
+                    errors += 1
+                    if errors == 1:
+                        print(f"load: first error: {exc}", file=sys.stderr, flush=True)
+                    continue
+                latencies.append(time.perf_counter() - started)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(concurrency):
+                nursery.start_soon(worker)
+        elapsed = time.perf_counter() - began
+        if not latencies:
+            raise BenchError(f"no request of {spec['kind']} succeeded ({errors} failed)")
+        return LoadResult(
+            requests=len(latencies),
+            errors=errors,
+            elapsed_s=elapsed,
+            p50_ms=percentile(latencies, 50) * 1e3,
+            p99_ms=percentile(latencies, 99) * 1e3,
+        )
+
+    if spec["kind"] == "direct":
+        get = functools.partial(_direct_get, spec["host"], int(spec["port"]))
+        await run(get, WARMUP_S)
+        return await run(get, float(spec["duration_s"]))
+    env = os.environ
+    async with open_control_client(
+        env["LEVERS9_CONTROLPLANE"], env["LEVERS9_TOKEN"], env["LEVERS9_CA"]
+    ) as client:
+        get = functools.partial(_endpoint_get, client, spec["path"])
+        await run(get, WARMUP_S)
+        return await run(get, float(spec["duration_s"]))
+
+
+def load_generator_main() -> None:
+    """The child: a load spec (JSON) on stdin, a `LoadResult` (JSON) on stdout. The token
+    comes in the environment, as the CLI takes it, never on the command line."""
+    spec = json.loads(sys.stdin.read())
+    result = trio.run(_load, spec)
+    print(json.dumps(attrs.asdict(result)))
+
+
+async def run_load(env: Mapping[str, str], spec: Mapping[str, Any]) -> LoadResult:
+    with trio.fail_after(LOAD_DEADLINE_S):
+        done = await trio.run_process(
+            [sys.executable, "-m", "bench.e2e", "--load-generator"],
+            stdin=json.dumps(spec).encode(),
+            env=env,
+            cwd=REPO,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    if done.returncode != 0:
+        raise BenchError(
+            f"the load generator for {spec['kind']} exited {done.returncode}: "
+            f"{done.stderr.decode(errors='replace')[-2000:]}"
+        )
+    if done.stderr:
+        _say(done.stderr.decode(errors="replace").strip())
+    return LoadResult(**json.loads(done.stdout))
+
+
+async def start_server(client: ControlClient, image: str, cards: int) -> TaskView:
+    """A busybox httpd task with `cards` cards, once its endpoint answers."""
+    task = await client.create_task(
+        TaskRequest(image=image, command=("sh", "-c", SERVER), ports=(HTTP_PORT,), cards=cards)
+    )
+    async for line in client.task_logs(task.id, follow=True):
+        if line.text == "ready":
+            break
+    else:
+        ended = await client.task(task.id)
+        logs = [line.text async for line in client.task_logs(task.id, follow=False)]
+        raise BenchError(f"the server task ended before it was ready: {ended}; its log: {logs}")
+    path = f"/v1/tasks/{task.id}/ports/{HTTP_PORT}/index.html"
+    while True:  # httpd listens a moment after "ready"
+        try:
+            await _endpoint_get(client, path)
+            break
+        except Exception:
+            await trio.sleep(READY_POLL_S)
+    return await client.task(task.id)
+
+
+async def measure_endpoints(cluster: Cluster, image: str, plan: Plan) -> dict[str, LoadResult]:
+    assert cluster.control is not None
+    modes = {e.worker_id: e.mode for e in cluster.control.registry.entries()}
+    env = cluster.cli_env()
+    results: dict[str, LoadResult] = {}
+    async with cluster.client() as client:
+        with trio.fail_after(TASK_DEADLINE_S):
+            tunnel_task = await start_server(client, image, cards=2)
+            direct_task = await start_server(client, image, cards=1) if plan.direct_mode else None
+        if tunnel_task.worker is None or modes.get(tunnel_task.worker) != "tunnel":
+            raise BenchError(f"the 2-card server landed on {tunnel_task.worker}, not the tunnel")
+        worker = await cluster.control.registry.client_for(tunnel_task.worker)
+        address = (await worker.container(tunnel_task.id)).address
+        if address is None:
+            raise BenchError(f"the worker reports no address for container {tunnel_task.id}")
+        common = {"concurrency": plan.concurrency, "duration_s": plan.duration_s}
+
+        def route(task: TaskView) -> dict[str, Any]:
+            path = f"/v1/tasks/{task.id}/ports/{HTTP_PORT}/index.html"
+            return {"kind": "endpoint", "path": path, **common}
+
+        _say(f"endpoint: tunnel route, {plan.concurrency} streams, {plan.duration_s:g} s")
+        results["tunnel"] = await run_load(env, route(tunnel_task))
+        _say(f"endpoint: direct HTTP/1.1 to {address}:{HTTP_PORT}")
+        direct = {"kind": "direct", "host": address, "port": HTTP_PORT, **common}
+        results["direct"] = await run_load(env, direct)
+        if direct_task is not None:
+            if direct_task.worker is None or modes.get(direct_task.worker) != "direct":
+                raise BenchError(f"the 1-card server landed on {direct_task.worker}, not direct")
+            _say("endpoint: direct-mode route")
+            results["direct_mode"] = await run_load(env, route(direct_task))
+        for task in (tunnel_task, direct_task):
+            if task is not None:
+                await client.cancel_task(task.id)
+    return results
+
+
+# --- the whole run --------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def open_bench_cluster(workdir: Path) -> AsyncIterator[Cluster]:
+    running = start_kube_standin(workdir / "kube")
+    try:
+        async with open_cluster(
+            workdir / "cluster",
+            running.kube,
+            nodes=[
+                *((SimNode(f"idle-{n}", 1), "idle") for n in range(IDLE_NODES)),
+                (SimNode("node-direct", 1), "direct"),
+                (SimNode("node-tunnel", 2), "tunnel"),
+            ],
+            pools=[PoolSpec("direct"), PoolSpec("tunnel", tunnel=True)],
+        ) as cluster:
+            with trio.fail_after(CLUSTER_START_DEADLINE_S):
+                await cluster.wait_workers(2)
+            yield cluster
+    finally:
+        running.stop()
+
+
+async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]]:
+    with running_registry(workdir / "registry") as registry:
+        push(registry.url, "busybox", "latest", busybox_image())
+        image = f"{registry.host}/busybox:latest"
+        _say("anchor: preparing a bare runc bundle of busybox")
+        bundle = await prepare_runc_bundle(workdir, image)
+        _say("cluster: starting a direct-mode and a tunnel-mode worker")
+        async with open_bench_cluster(workdir) as cluster:
+            _say(f"first log: {plan.first_logs} of CLI, API and bare runc, taking turns")
+            with trio.fail_after(TASK_DEADLINE_S * (plan.first_logs + 2)):
+                first = await measure_first_logs(
+                    cluster, image, bundle, workdir / "runc", plan.first_logs
+                )
+            loads = await measure_endpoints(cluster, image, plan)
+            _say("stopping the cluster")
+    figures = {
+        "first_log_s": statistics.median(first["cli"]),
+        "first_log_p90_s": percentile(first["cli"], 90),
+        "first_log_api_s": statistics.median(first["api"]),
+        "first_log_api_p90_s": percentile(first["api"], 90),
+        "cli_startup_s": statistics.median(first["startup"]),
+        "endpoint_rps_tunnel": loads["tunnel"].rps,
+        "endpoint_p99_ms_tunnel": loads["tunnel"].p99_ms,
+        "endpoint_p50_ms_tunnel": loads["tunnel"].p50_ms,
+        "endpoint_errors_tunnel": float(loads["tunnel"].errors),
+    }
+    if "direct_mode" in loads:
+        figures["endpoint_rps_direct_mode"] = loads["direct_mode"].rps
+        figures["endpoint_p99_ms_direct_mode"] = loads["direct_mode"].p99_ms
+        figures["endpoint_p50_ms_direct_mode"] = loads["direct_mode"].p50_ms
+        figures["endpoint_errors_direct_mode"] = float(loads["direct_mode"].errors)
+    anchors = {
+        "runc_first_log_s": statistics.median(first["runc"]),
+        "runc_first_log_p90_s": percentile(first["runc"], 90),
+        "endpoint_rps_direct": loads["direct"].rps,
+        "endpoint_p99_ms_direct": loads["direct"].p99_ms,
+        "endpoint_p50_ms_direct": loads["direct"].p50_ms,
+        "endpoint_errors_direct": float(loads["direct"].errors),
+    }
+    ratios = {
+        "first_log_vs_runc": figures["first_log_s"] / anchors["runc_first_log_s"],
+        "first_log_api_vs_runc": figures["first_log_api_s"] / anchors["runc_first_log_s"],
+        "endpoint_rps_tunnel_vs_direct": figures["endpoint_rps_tunnel"]
+        / anchors["endpoint_rps_direct"],
+        "endpoint_p99_tunnel_vs_direct": figures["endpoint_p99_ms_tunnel"]
+        / anchors["endpoint_p99_ms_direct"],
+    }
+    if "endpoint_rps_direct_mode" in figures:
+        ratios["endpoint_rps_direct_mode_vs_direct"] = (
+            figures["endpoint_rps_direct_mode"] / anchors["endpoint_rps_direct"]
+        )
+    return {"figures": figures, "anchors": anchors, "ratios": ratios}
+
+
+def render(report: Mapping[str, Mapping[str, float]]) -> str:
+    rows: list[tuple[str, ...]] = []
+    for section in ("figures", "anchors", "ratios"):
+        for name, value in report[section].items():
+            rows.append((section, name, f"{value:.4g}"))
+    table = render_table(rows, ("", "name", "value"))
+    first = report["figures"]["first_log_s"]
+    verdict = "ok" if first <= FIRST_LOG_TARGET_S else "MISSED"
+    return (
+        f"{table}\n\ntarget: first_log_s <= {FIRST_LOG_TARGET_S:g} s "
+        f"(median {first:.3f} s: {verdict}); the CLI's own start-up is cli_startup_s"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.e2e",
+        description="First log and endpoint load on a loopback installation, against bare runc "
+        "and direct HTTP, in one run.",
+    )
+    parser.add_argument("--quick", action="store_true", help=f"measure less: {QUICK}")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
+    parser.add_argument("--load-generator", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.load_generator:
+        load_generator_main()
+        return
+    plan = QUICK if args.quick else FULL
+    _say(f"plan: {plan}")
+    with tempfile.TemporaryDirectory(prefix="levers9-bench-e2e-", dir="/var/tmp") as tmp:
+        try:
+            report = trio.run(run_until_sigterm, functools.partial(run_benchmark, Path(tmp), plan))
+        except* Terminated:
+            _say("terminated (SIGTERM); every process the run started was stopped")
+            raise SystemExit(143) from None
+    print(render(report))
+    if args.json:
+        write_report(
+            args.json, figures=report["figures"], ratios=report["ratios"], anchors=report["anchors"]
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Wire models of the controlplane's task API, shared by its routes and the `levers9` CLI.
+
+The same conventions as the worker API (`agent.models`): attrs classes, camelCase on the wire,
+unknown keys refused with the field named, one converter. A task is asked for with a
+`TaskRequest` and reported as a `TaskView`: the stored record (`control.tasks.TaskRecord`)
+plus what only the running system knows (why a pending task waits, how far its image pull
+got). Bucket credentials never appear here: a request names a bucket of its workspace and the
+controlplane attaches that workspace's credentials when it starts the container.
+
+Routes (HTTPS, HTTP/2, `Authorization: Bearer <workspace token>`):
+
+- `POST /v1/tasks` (`TaskRequest`) → 201 `TaskView`
+- `GET /v1/tasks[?state=pending,running][&limit=N]` → `TaskList` (newest first)
+- `GET /v1/tasks/{id}` → `TaskView`; `GET /v1/tasks/{id}/wait` → `TaskView` once it has ended
+- `POST /v1/tasks/{id}/cancel` → `TaskView`
+- `GET /v1/tasks/{id}/logs[?follow=true]` → NDJSON of `agent.models.LogLine`
+- `POST /v1/tasks/{id}/snapshot` → 201 `TaskSnapshot`
+- WebSocket (RFC 8441) `/v1/tasks/{id}/exec`: the worker's exec protocol (`agent.exec`), relayed
+- `CONNECT <task id>:<port>`: a byte stream to that port of the task's container (box port)
+- any method on `/v1/tasks/{id}/ports/{port}/<path>`: HTTP to a declared port (endpoint)
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from agent.models import PullStatus
+
+
+@attrs.frozen
+class TaskVolume:
+    """A bucket of the task's workspace (by its configured name) mounted at `mount_path`."""
+
+    bucket: str
+    mount_path: str
+    read_only: bool = False
+
+
+@attrs.frozen
+class TaskRequest:
+    """What `levers9 run` submits. `command` replaces the image's entrypoint and `args` its
+    cmd; `snapshot` is a digest from `POST /v1/tasks/{id}/snapshot` to start from."""
+
+    image: str
+    command: tuple[str, ...] | None = None
+    args: tuple[str, ...] | None = None
+    env: dict[str, str] = attrs.field(factory=dict)
+    cards: int = 0
+    cpu_millis: int | None = None
+    memory_bytes: int | None = None
+    volumes: tuple[TaskVolume, ...] = ()
+    ports: tuple[int, ...] = ()
+    timeout_s: float | None = None
+    snapshot: str | None = None
+
+
+@attrs.frozen
+class TaskView:
+    """A task as the API reports it. `state` is pending, starting, running, succeeded, failed,
+    cancelled or lost; `waiting` says why a pending task has no worker yet; `pull` is the image
+    pull's progress while the task starts; `card_ids` are the UUIDs of the cards it got."""
+
+    id: str
+    workspace: str
+    state: str
+    image: str
+    created_at: float
+    command: tuple[str, ...] | None = None
+    args: tuple[str, ...] | None = None
+    cards: int = 0
+    cpu_millis: int | None = None
+    memory_bytes: int | None = None
+    ports: tuple[int, ...] = ()
+    timeout_s: float | None = None
+    snapshot: str | None = None
+    started_at: float | None = None
+    running_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None
+    node: str | None = None
+    card_ids: tuple[str, ...] = ()
+    exit_code: int | None = None
+    reason: str | None = None
+    waiting: str | None = None
+    pull: PullStatus | None = None
+    container_state: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in ("succeeded", "failed", "cancelled", "lost")
+
+
+@attrs.frozen
+class TaskList:
+    tasks: tuple[TaskView, ...]
+
+
+@attrs.frozen
+class TaskSnapshot:
+    """A task's filesystem changes, kept on its worker; start a task from it with
+    `TaskRequest.snapshot` (on any worker: the controlplane copies it there)."""
+
+    digest: str
+    size: int
+    task: str
+    worker: str

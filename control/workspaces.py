@@ -1,0 +1,75 @@
+"""Workspaces: who a token speaks for, and which buckets (with whose credentials) it may mount.
+
+Every task call is scoped to the workspace of the token that made it; a task of another
+workspace is NOT_FOUND, in the same words as one that does not exist. A task names buckets of
+its workspace by their configured name; the stored task keeps only the bucket's URL and mount
+path, and the workspace's credentials are attached again each time a container is created, so
+they live in the controlplane's memory and the worker's, never in the task database.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+
+import attrs
+
+from agent.models import ApiError, ErrorCode, VolumeSpec
+from control.config import WorkspaceConfig
+from control.models import TaskVolume
+
+
+class Workspaces:
+    def __init__(self, configs: Sequence[WorkspaceConfig]) -> None:
+        self._configs = {c.name: c for c in configs}
+        self._tokens = [(t.token.encode(), c.name) for c in configs for t in c.tokens]
+
+    def authenticate(self, presented: str) -> str | None:
+        """The workspace whose token this is, or None. Every token is compared, in constant
+        time each, so timing tells nothing about which one nearly matched."""
+        found = None
+        given = presented.encode()
+        for token, workspace in self._tokens:
+            if hmac.compare_digest(token, given):
+                found = workspace
+        return found
+
+    def names(self) -> list[str]:
+        return sorted(self._configs)
+
+    def volumes(self, workspace: str, asked: Sequence[TaskVolume]) -> tuple[VolumeSpec, ...]:
+        """The task's volumes as they are stored: bucket URL and mount path, no credentials."""
+        config = self._configs[workspace]
+        buckets = {b.name: b for b in config.buckets}
+        out = []
+        for i, volume in enumerate(asked):
+            bucket = buckets.get(volume.bucket)
+            if bucket is None:
+                known = ", ".join(sorted(buckets)) or "none are configured"
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"field 'volumes[{i}].bucket': workspace {workspace} has no bucket "
+                    f"{volume.bucket!r} (its buckets: {known})",
+                    field=f"volumes[{i}].bucket",
+                )
+            out.append(
+                VolumeSpec(
+                    workspace=workspace,
+                    url=bucket.url,
+                    mount_path=volume.mount_path,
+                    read_only=volume.read_only,
+                )
+            )
+        return tuple(out)
+
+    def with_credentials(self, workspace: str, volume: VolumeSpec) -> VolumeSpec:
+        """The stored volume with its workspace's credentials, for one container create."""
+        config = self._configs.get(workspace)
+        for bucket in config.buckets if config is not None else ():
+            if bucket.url == volume.url:
+                return attrs.evolve(volume, s3=bucket.s3, gcs=bucket.gcs)
+        raise ApiError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"workspace {workspace} no longer has a bucket at {volume.url}; the task cannot "
+            "mount it (put the bucket back in the config, or run the task without it)",
+        )

@@ -1,0 +1,61 @@
+"""The end-to-end benchmark runs in --quick mode and reports every figure it promises.
+
+It runs `python -m bench.e2e --quick --json FILE` as `make bench` does: a whole loopback
+installation with a direct-mode and a tunnel-mode worker, real runc containers and a bare runc
+anchor. How fast anything is belongs to the benchmark's report, not to this test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="containers and runc need root (CI runs as root)"),
+    pytest.mark.skipif(
+        shutil.which("runc") is None or shutil.which("docker-registry") is None,
+        reason="needs runc and docker-registry (make deps)",
+    ),
+]
+
+FIGURES = (
+    "first_log_s",
+    "first_log_p90_s",
+    "first_log_api_s",
+    "cli_startup_s",
+    "endpoint_rps_tunnel",
+    "endpoint_p99_ms_tunnel",
+)
+ANCHORS = ("runc_first_log_s", "endpoint_rps_direct", "endpoint_p99_ms_direct")
+RATIOS = ("first_log_vs_runc", "endpoint_rps_tunnel_vs_direct")
+RUN_DEADLINE_S = 300
+
+
+def test_quick_run_writes_every_figure_anchor_and_ratio(tmp_path: Path) -> None:
+    report_path = tmp_path / "e2e.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.e2e", "--quick", "--json", str(report_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "first_log_s" in done.stdout  # the table for people
+    report = json.loads(report_path.read_text())
+    assert set(report) == {"figures", "ratios", "anchors", "machine"}
+    for section, names in (("figures", FIGURES), ("anchors", ANCHORS), ("ratios", RATIOS)):
+        for name in names:
+            value = report[section].get(name)
+            assert isinstance(value, int | float), f"{section}.{name} missing: {report[section]}"
+            assert math.isfinite(value) and value > 0, f"{section}.{name} is {value}"
+    assert report["machine"]["cpu_count"] > 0

@@ -1,0 +1,232 @@
+"""End to end: tasks submitted to the controlplane run on workers it started as Kubernetes
+Jobs, in direct and in tunnel mode, with real runc containers, reached back through the worker
+API (directly or through the tunnel)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.models import ApiError, ErrorCode, ExecRequest
+from control.client import ControlClient
+from control.models import TaskRequest, TaskView
+from tests.cluster import Cluster, PoolSpec, open_cluster
+from tests.kube_standin import KubeStandin
+from tests.kubelet import SimNode
+from tests.registry_fixtures import SharedRegistry
+
+pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (CI runs as root)")
+
+
+@pytest.fixture(params=["direct", "tunnel"])
+async def cluster(
+    request: pytest.FixtureRequest, tmp_path: Path, kube: KubeStandin
+) -> AsyncIterator[Cluster]:
+    tunnel = request.param == "tunnel"
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 2), "gpu")],
+        pools=[PoolSpec("gpu", tunnel=tunnel)],
+    ) as running:
+        with trio.fail_after(60):
+            await running.wait_workers(1)
+        yield running
+
+
+async def test_a_gpu_task_runs_and_its_logs_and_exit_code_come_back(
+    cluster: Cluster, registry: SharedRegistry
+) -> None:
+    async with cluster.client() as client:
+        task = await client.create_task(
+            TaskRequest(
+                image=registry.busybox,
+                command=(
+                    "sh",
+                    "-c",
+                    "echo visible=$NVIDIA_VISIBLE_DEVICES; ls /dev | grep nvidia; exit 3",
+                ),
+                cards=1,
+            )
+        )
+        with trio.fail_after(60):
+            done = await client.wait_task(task.id)
+        lines = [line.text async for line in client.task_logs(task.id, follow=False)]
+    assert done.state == "failed", done
+    assert done.exit_code == 3
+    assert len(done.card_ids) == 1
+    assert f"visible={done.card_ids[0]}" in lines
+    assert "nvidia0" in lines or "nvidia1" in lines
+
+
+SERVER = (
+    "mkdir -p /www && echo hello from $(hostname) > /www/index.html && "
+    "(nc -ll -p 9000 -e cat &) && echo ready && exec httpd -f -p 8080 -h /www"
+)
+
+
+async def wait_for_line(client: ControlClient, task_id: str, text: str) -> list[str]:
+    seen = []
+    async for line in client.task_logs(task_id, follow=True):
+        seen.append(line.text)
+        if line.text == text:
+            return seen
+    raise AssertionError(f"the log ended without {text!r}: {seen!r}")
+
+
+async def test_endpoint_box_port_exec_and_snapshot_restore(
+    cluster: Cluster, registry: SharedRegistry
+) -> None:
+    async with cluster.client() as client:
+        task = await client.create_task(
+            TaskRequest(image=registry.busybox, command=("sh", "-c", SERVER), ports=(8080,))
+        )
+        with trio.fail_after(60):
+            await wait_for_line(client, task.id, "ready")
+
+            # An endpoint: HTTP to the task's declared port through the controlplane.
+            path = f"/v1/tasks/{task.id}/ports/8080/index.html"
+            async with client.stream("GET", path) as response:
+                assert response.status == 200
+                page = await response.read()
+            assert page.startswith(b"hello from ")
+            with pytest.raises(ApiError) as undeclared:
+                await client.call("GET", f"/v1/tasks/{task.id}/ports/9000/")
+            assert undeclared.value.code is ErrorCode.NOT_FOUND
+
+            # A box port: a byte stream to any port of the task.
+            stream = await client.connect_port(task.id, 9000)
+            payload = os.urandom(1 << 20)
+            async with trio.open_nursery() as nursery:
+
+                async def send() -> None:
+                    await stream.send_all(payload)
+                    await stream.send_eof()
+
+                nursery.start_soon(send)
+                echoed = b""
+                while data := await stream.receive_some():
+                    echoed += data
+            assert echoed == payload
+
+            # Exec, then a snapshot of what it wrote, restored into a new task.
+            output: list[tuple[int, bytes]] = []
+
+            async def collect(channel: int, data: bytes) -> None:
+                output.append((channel, data))
+
+            code = await client.exec_in_task(
+                task.id,
+                ExecRequest(command=("sh", "-c", "echo kept > /www/saved.txt; echo oops >&2")),
+                on_output=collect,
+            )
+            assert code == 0
+            assert (2, b"oops\n") in output
+            snapshot = await client.snapshot_task(task.id)
+            assert snapshot.digest.startswith("sha256:")
+
+            cancelled = await client.cancel_task(task.id)
+            assert cancelled.state == "cancelled"
+            restored = await client.create_task(
+                TaskRequest(
+                    image=registry.busybox,
+                    command=("cat", "/www/saved.txt"),
+                    snapshot=snapshot.digest,
+                )
+            )
+            done = await client.wait_task(restored.id)
+            lines = [line.text async for line in client.task_logs(restored.id, follow=False)]
+        assert done.state == "succeeded", done
+        assert lines == ["kept"]
+
+
+async def test_tasks_of_one_workspace_are_invisible_to_another(
+    cluster: Cluster, registry: SharedRegistry
+) -> None:
+    async with cluster.client("team-a") as alice:
+        task = await alice.create_task(
+            TaskRequest(image=registry.busybox, command=("sleep", "600"), ports=(80,))
+        )
+        async with cluster.client("team-b") as bob:
+            with trio.fail_after(60):
+                await wait_state(alice, task.id, "running")
+            assert await bob.tasks() == ()
+            for call in (
+                bob.task(task.id),
+                bob.cancel_task(task.id),
+                bob.connect_port(task.id, 80),
+                bob.call("GET", f"/v1/tasks/{task.id}/ports/80/"),
+            ):
+                with pytest.raises(ApiError) as info:
+                    await call
+                assert info.value.code is ErrorCode.NOT_FOUND, info.value
+            with pytest.raises(ApiError) as logs:
+                async for _ in bob.task_logs(task.id, follow=False):
+                    pass
+            assert logs.value.code is ErrorCode.NOT_FOUND
+        async with cluster.client("operator") as operator:
+            with pytest.raises(ApiError) as denied:
+                await operator.tasks()
+            assert denied.value.code is ErrorCode.PERMISSION_DENIED
+        assert (await alice.task(task.id)).state == "running"
+        assert (await alice.cancel_task(task.id)).state == "cancelled"
+
+
+async def wait_state(client: ControlClient, task_id: str, state: str) -> TaskView:
+    while True:
+        view = await client.task(task_id)
+        if view.state == state:
+            return view
+        assert not view.terminal or state in ("succeeded", "failed", "cancelled", "lost"), view
+        await trio.sleep(0.1)
+
+
+async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
+    tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+) -> None:
+    import json
+
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 2), "gpu")],
+        pools=[PoolSpec("gpu", tunnel=True)],
+    ) as cluster:
+        with trio.fail_after(120):
+            await cluster.wait_workers(1)
+            machines = json.loads((await cluster.cli("machine", "list", "--json")).stdout)
+            assert [(m["node"], m["cards"]["total"]) for m in machines] == [("gpu-node-1", 2)]
+
+            ran = await cluster.cli(
+                "run", "--gpus", "2", registry.busybox, "--",
+                "sh", "-c", "echo out; echo err >&2; exit 7",
+                check=False,
+            )  # fmt: skip
+            assert ran.returncode == 7, ran.stderr
+            assert ran.stdout.decode().splitlines() == ["out"]
+            assert "err" in ran.stderr.decode().splitlines()
+
+            # A wait shorter than the start: DEADLINE_EXCEEDED, and the task goes on.
+            short = await cluster.cli(
+                "run", "--wait", "0", registry.busybox, "--", "sh", "-c", "sleep 1; echo done",
+                check=False,
+            )  # fmt: skip
+            assert short.returncode == 124
+            message = short.stderr.decode()
+            assert "DEADLINE_EXCEEDED" in message
+            task_id = message.split("task ", 1)[1].split()[0]
+            async with cluster.client() as client:
+                done = await client.wait_task(task_id)
+            assert done.state == "succeeded", done
+            logs = await cluster.cli("task", "logs", task_id)
+            assert logs.stdout == b"done\n"
+            listed = json.loads((await cluster.cli("task", "list", "--json")).stdout)
+            assert {t["id"]: t["state"] for t in listed}[task_id] == "succeeded"
+            other = await cluster.cli("task", "get", task_id, workspace="team-b", check=False)
+            assert other.returncode == 1
+            assert b"NOT_FOUND" in other.stderr

@@ -1,0 +1,167 @@
+"""End to end, when things go wrong or wait: the controlplane restarts mid-task, a worker is
+killed, a multi-card task waits for one worker with enough cards, a task runs past its timeout,
+and `levers9 run` gives up waiting while the task goes on."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from control.client import ControlClient
+from control.models import TaskRequest, TaskView
+from tests.cluster import PoolSpec, open_cluster
+from tests.kube_standin import KubeStandin, make_pod
+from tests.kubelet import SimNode
+from tests.registry_fixtures import SharedRegistry
+from tests.test_e2e import wait_for_line, wait_state
+
+pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (CI runs as root)")
+
+
+@pytest.mark.parametrize("mode", ["direct", "tunnel"])
+async def test_controlplane_restart_mid_task_keeps_records_and_logs(
+    mode: str, tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+) -> None:
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 1), "gpu")],
+        pools=[PoolSpec("gpu", tunnel=mode == "tunnel")],
+    ) as cluster:
+        with trio.fail_after(90):
+            (worker,) = await cluster.wait_workers(1)
+            script = "echo before; while [ ! -e /go ]; do sleep 0.1; done; echo after"
+            async with cluster.client() as client:
+                task = await client.create_task(
+                    TaskRequest(image=registry.busybox, command=("sh", "-c", script), cards=1)
+                )
+                await wait_for_line(client, task.id, "before")
+            await cluster.restart_controlplane()
+            # The worker comes back (re-registers, or reopens its tunnel) to the new process.
+            assert await cluster.wait_workers(1) == [worker]
+            async with cluster.client() as client:
+                running = await client.task(task.id)
+                assert running.state == "running"
+                assert running.worker == worker
+                assert len(running.card_ids) == 1
+                code = await client.exec_in_task(task.id, _exec("touch /go"), on_output=_ignore)
+                assert code == 0
+                lines = [line.text async for line in client.task_logs(task.id, follow=True)]
+                done = await client.wait_task(task.id)
+        assert lines == ["before", "after"]
+        assert done.state == "succeeded"
+        assert done.exit_code == 0
+
+
+@pytest.mark.parametrize("mode", ["direct", "tunnel"])
+async def test_a_killed_worker_loses_its_task_and_a_new_worker_appears(
+    mode: str, tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+) -> None:
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 2), "gpu")],
+        pools=[PoolSpec("gpu", tunnel=mode == "tunnel")],
+    ) as cluster:
+        with trio.fail_after(90):
+            (worker,) = await cluster.wait_workers(1)
+            async with cluster.client() as client:
+                task = await client.create_task(
+                    TaskRequest(image=registry.busybox, command=("sleep", "600"), cards=2)
+                )
+                await wait_state(client, task.id, "running")
+                cluster.kubelet.kill(worker)
+                lost = await wait_state(client, task.id, "lost")
+                assert worker in (lost.reason or "")
+                assert lost.finished_at is not None
+                # The next reconcile starts a new worker on the node, with all its cards.
+                while True:
+                    workers = await cluster.wait_workers(1)
+                    if workers != [worker] and worker not in workers:
+                        break
+                    await trio.sleep(0.2)
+                again = await client.create_task(
+                    TaskRequest(image=registry.busybox, command=("true",), cards=2)
+                )
+                done = await client.wait_task(again.id)
+        assert done.state == "succeeded", done
+        assert done.worker != worker
+
+
+async def test_a_multi_card_task_waits_for_one_worker_with_enough_cards(
+    tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+) -> None:
+    # A model server holds 2 of the node's 4 cards: the worker gets the other 2.
+    kube.add_pod(make_pod("model-server", "gpu-node-1", gpu_limit=2))
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 4), "gpu")],
+        pools=[PoolSpec("gpu", tunnel=True)],
+        agent_env={"LEVERS9_IDLE_S": "3"},
+    ) as cluster:
+        with trio.fail_after(120):
+            (first,) = await cluster.wait_workers(1)
+            async with cluster.client() as client:
+                task = await client.create_task(
+                    TaskRequest(image=registry.busybox, command=("true",), cards=3)
+                )
+                view = await wait_waiting(client, task.id)
+                assert view.state == "pending"
+                reason = view.waiting or ""
+                assert "3 cards" in reason and "never split" in reason, reason
+                # The model server scales down: the idle worker winds down, the next one takes
+                # every card, and the task runs there.
+                kube.remove_pod("model-server")
+                done = await client.wait_task(task.id)
+        assert done.state == "succeeded", done
+        assert done.worker != first
+        assert len(done.card_ids) == 3
+
+
+async def test_a_task_past_its_timeout_is_stopped(
+    tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+) -> None:
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 1), "gpu")],
+        pools=[PoolSpec("gpu")],
+    ) as cluster:
+        with trio.fail_after(90):
+            await cluster.wait_workers(1)
+            async with cluster.client() as client:
+                task = await client.create_task(
+                    TaskRequest(
+                        image=registry.busybox,
+                        command=("sh", "-c", "echo started; sleep 600"),
+                        timeout_s=2,
+                    )
+                )
+                done = await client.wait_task(task.id)
+                lines = [line.text async for line in client.task_logs(task.id, follow=False)]
+        assert done.state == "failed"
+        assert "timeout of 2 s" in (done.reason or "")
+        assert lines == ["started"]
+
+
+async def wait_waiting(client: ControlClient, task_id: str) -> TaskView:
+    while True:
+        view = await client.task(task_id)
+        if view.waiting:
+            return view
+        await trio.sleep(0.1)
+
+
+def _exec(command: str):  # type: ignore[no-untyped-def]
+    from agent.models import ExecRequest
+
+    return ExecRequest(command=("sh", "-c", command))
+
+
+async def _ignore(channel: int, data: bytes) -> None:
+    pass

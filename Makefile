@@ -49,6 +49,7 @@ bench: deps install
 	$(BIN)/python -m bench.containers --json bench-results/containers.json
 	$(BIN)/python -m bench.volumes --json bench-results/volumes.json
 	$(BIN)/python -m bench.reconcile --json bench-results/reconcile.json
+	$(BIN)/python -m bench.e2e --json bench-results/e2e.json
 
 demo: deps install
 	$(BIN)/python -m control.demo

@@ -80,13 +80,16 @@ GREETING = "hello"
 HTTP_PORT = 8080
 PAGE = "hello from levers9 " * 8
 SERVER = (
-    f"mkdir -p /www && echo '{PAGE}' > /www/index.html && echo ready && "
-    f"exec httpd -f -p {HTTP_PORT} -h /www"
+    f"mkdir -p /www && echo '{PAGE}' > /www/index.html && "
+    f"httpd -f -p {HTTP_PORT} -h /www & trap 'kill $!; exit 0' TERM; echo ready; wait"
 )
+"""httpd as PID 1 would ignore SIGTERM and hold up every stop (the agent's, on a SIGTERM of
+the benchmark, too) until the kill; the shell as PID 1 ends it at once."""
 CLUSTER_START_DEADLINE_S = 90.0
 TASK_DEADLINE_S = 90.0
 """Bounds each step that waits on a task (warm-up pull, a first log, a server becoming ready)."""
 LOAD_DEADLINE_S = 120.0
+SWEEP_DEADLINE_S = 60.0
 WARMUP_S = 0.5
 READY_POLL_S = 0.05
 ANCHOR_TABLE, ANCHOR_PREFIX, ANCHOR_POOL = "levers9_bench_e2e", "be", "169.254.96.0/20"
@@ -165,7 +168,8 @@ async def time_to_line(
         async def drain_stderr() -> None:
             assert process.stderr is not None
             while chunk := await process.stderr.receive_some():
-                errors.extend(chunk[-4000:])
+                errors.extend(chunk)
+                del errors[:-4000]
 
         nursery.start_soon(drain_stderr)
         seen = b""
@@ -441,6 +445,30 @@ async def open_bench_cluster(workdir: Path) -> AsyncIterator[Cluster]:
             yield cluster
     finally:
         running.stop()
+        with trio.CancelScope(shield=True), trio.move_on_after(SWEEP_DEADLINE_S):
+            await sweep_left_containers(workdir)
+
+
+async def sweep_left_containers(workdir: Path) -> None:
+    """Stop what the agents left running (their containers outlive an agent that was killed
+    before it finished stopping them): a container manager on each node's state directory
+    recovers the containers and, on closing, stops them and removes their network."""
+    for offset, name in enumerate(("node-direct", "node-tunnel")):
+        index = IDLE_NODES + offset
+        state = workdir / "cluster" / "kubelet" / "nodes" / name / "state"
+        runc_root = state / "runc"
+        if not runc_root.is_dir() or not any(runc_root.iterdir()):
+            continue
+        _say(f"stopping the containers the agent of {name} left")
+        config = ContainerConfig(
+            state_dir=state,
+            free_floor_bytes=0,
+            network_table=f"levers9_k{index}",
+            network_prefix=f"k{index}",
+            network_pool=f"169.254.{128 + 16 * index}.0/20",
+        )
+        async with open_container_manager(config):
+            pass
 
 
 async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]]:

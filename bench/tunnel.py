@@ -275,6 +275,7 @@ def make_controlplane_config(
                 "listen": "127.0.0.1:0",
                 "tls": {"certFile": str(cert_file), "keyFile": str(key_file)},
                 "worker": {"tokens": [{"workerId": k, "token": v} for k, v in tokens.items()]},
+                "database": {"path": str(workdir / "tasks.db")},
             }
         }
     )

@@ -50,6 +50,7 @@ from control.workspaces import Workspaces
 log = logging.getLogger("levers9.dispatch")
 T = TypeVar("T")
 
+TASK_LABEL = "levers9.dev/task"
 SCHEDULE_EVERY_S = 2.0
 PROGRESS_EVERY_S = 0.25
 RETRY_EVERY_S = 0.5
@@ -213,8 +214,8 @@ class Dispatcher:
 
         async def remove_strays(client: WorkerClient) -> None:
             for container in await client.containers():
-                if container.id in self._watches:
-                    continue
+                if TASK_LABEL not in container.labels or container.id in self._watches:
+                    continue  # not a task's, or a task still watched
                 log.warning(
                     "worker %s: removing container %s, which no task owns any more",
                     worker_id,
@@ -574,7 +575,7 @@ class Dispatcher:
             ports=spec.ports,
             snapshot=spec.snapshot,
             volumes=volumes,
-            labels={"levers9.dev/task": record.id, "levers9.dev/workspace": record.workspace},
+            labels={TASK_LABEL: record.id, "levers9.dev/workspace": record.workspace},
         )
 
     async def _bring_snapshot(self, digest: str, worker: str) -> None:

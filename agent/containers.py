@@ -79,7 +79,9 @@ CONTAINER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 SNAPSHOT_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar"
 SNAPSHOT_OWNER = "snapshots"
 PULL_POLICIES = ("if-not-present", "always")
-LOG_POLL_S = 0.1
+LOG_POLL_S = 0.025
+"""How often a followed log is read for new lines: the delay a first line may wait (a read is
+one small syscall in a worker thread)."""
 # Below this runc cannot even start a container's init.
 MIN_MEMORY_BYTES = 8 << 20
 

@@ -40,7 +40,11 @@ from tests.registry import busybox_image, running_registry
 
 DIRECT_NODE = "gpu-node-a"
 TUNNEL_NODE = "gpu-node-b"
-CARDS_PER_NODE = 4
+# One card on the direct pool's node, four on the tunnel pool's (two held by a neighbour): best
+# fit sends the 1-card task and the HTTP task to the direct worker, the 2-card task through the
+# tunnel, so both ways of reaching a worker carry tasks.
+DIRECT_CARDS = 1
+TUNNEL_CARDS = 4
 NEIGHBOUR = "model-server"
 NEIGHBOUR_CARDS = 2
 WORKSPACE = "team-a"
@@ -195,8 +199,8 @@ async def run_demo(workdir: Path) -> None:
                 workdir / "cluster",
                 kube.kube,
                 nodes=[
-                    (SimNode(DIRECT_NODE, CARDS_PER_NODE), "direct-pool"),
-                    (SimNode(TUNNEL_NODE, CARDS_PER_NODE), "tunnel-pool"),
+                    (SimNode(DIRECT_NODE, DIRECT_CARDS), "direct-pool"),
+                    (SimNode(TUNNEL_NODE, TUNNEL_CARDS), "tunnel-pool"),
                 ],
                 pools=[PoolSpec("direct-pool"), PoolSpec("tunnel-pool", tunnel=True)],
                 agent_env={"LEVERS9_LOG_LEVEL": "WARNING"},

@@ -158,6 +158,7 @@ class Dispatcher:
         self.progress: dict[str, ContainerStatus] = {}
         self._holding: dict[str, dict[str, Hold]] = {}
         self._watches: dict[str, _Watch] = {}
+        self._running_records: dict[str, TaskRecord] = {}
         self._syncing: set[str] = set()
         self._synced: set[str] = set()
         self._wake = trio.Event()
@@ -295,6 +296,16 @@ class Dispatcher:
         if record.worker is not None:
             self._holding.get(record.worker, {}).pop(record.id, None)
 
+    async def running_record(self, workspace: str, task_id: str) -> TaskRecord:
+        """The task's record, from memory while its watcher knows it runs (every endpoint
+        request and port connection asks; the database is read only otherwise)."""
+        record = self._running_records.get(task_id)
+        if record is not None and record.workspace == workspace:
+            watch = self._watches.get(task_id)
+            if watch is not None and not (watch.cancelled or watch.lost):
+                return record
+        return await self.store.get(workspace, task_id)
+
     def watching(self, task_id: str) -> bool:
         return task_id in self._watches
 
@@ -335,6 +346,7 @@ class Dispatcher:
 
     async def cancel(self, workspace: str, task_id: str) -> TaskRecord:
         record = await self.store.apply(workspace, task_id, Cancel())
+        self._running_records.pop(task_id, None)
         watch = self._watches.get(task_id)
         if watch is not None:
             watch.cancelled = True
@@ -372,6 +384,7 @@ class Dispatcher:
             entry.draining = True
         lost = await self.store.mark_worker_lost(worker_id, f"worker {worker_id} is gone: {reason}")
         for record in lost:
+            self._running_records.pop(record.id, None)
             log.warning("task %s lost: %s", record.id, record.reason)
             watch = self._watches.get(record.id)
             if watch is not None:
@@ -438,12 +451,14 @@ class Dispatcher:
                 with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
                     await hook(record.id)
             self._watches.pop(record.id, None)
+            self._running_records.pop(record.id, None)
             self.progress.pop(record.id, None)
             self._release(record)
             self.changed()
             self.wake()
 
     async def _settle(self, record: TaskRecord, event: Exited | Failed | Lost) -> TaskRecord | None:
+        self._running_records.pop(record.id, None)
         try:
             after = await self.store.apply(record.workspace, record.id, event)
         except TransitionError:
@@ -484,9 +499,12 @@ class Dispatcher:
 
     async def _running(self, record: TaskRecord, status: ContainerStatus) -> None:
         try:
-            await self.store.apply(record.workspace, record.id, Running(cards=status.cards))
+            running = await self.store.apply(
+                record.workspace, record.id, Running(cards=status.cards)
+            )
         except TransitionError:
             return
+        self._running_records[record.id] = running
         self.progress.pop(record.id, None)
         self.changed()
 

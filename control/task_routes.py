@@ -239,7 +239,7 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
 
     async def endpoint(request: Request) -> StreamResponse:
         workspace = workspace_of(request.principal)
-        record = await store.get(workspace, request.params["id"])
+        record = await dispatcher.running_record(workspace, request.params["id"])
         port_text = request.params["port"]
         port = int(port_text) if port_text.isdigit() else 0
         if port not in record.spec.ports:
@@ -265,7 +265,7 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
 
     async def dial(host: str, port: int, principal: str) -> trio.abc.HalfCloseableStream:
         workspace = workspace_of(principal)
-        record = await store.get(workspace, host)
+        record = await dispatcher.running_record(workspace, host)
         worker = _running(record, "a port")
         try:
             return await dispatcher.on_worker(worker, lambda c: c.connect_tcp(record.id, port))

@@ -13,13 +13,14 @@ import trio
 
 from agent.models import ApiError, ErrorCode, ExecRequest
 from control.client import ControlClient
-from control.models import TaskRequest, TaskView
+from control.models import TaskRequest, TaskView, TaskVolume
 from tests.cluster import Cluster, PoolSpec, open_cluster
 from tests.kube_standin import KubeStandin
 from tests.kubelet import SimNode
 from tests.registry_fixtures import SharedRegistry
+from tests.s3_server import S3Server
 
-pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
+pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures", "tests.s3_fixtures"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (CI runs as root)")
 
 
@@ -230,3 +231,95 @@ async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
             other = await cluster.cli("task", "get", task_id, workspace="team-b", check=False)
             assert other.returncode == 1
             assert b"NOT_FOUND" in other.stderr
+
+
+async def test_a_snapshot_follows_its_task_to_another_worker(
+    tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+) -> None:
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 1), "gpu"), (SimNode("gpu-node-2", 2), "gpu")],
+        pools=[PoolSpec("gpu")],
+    ) as cluster:
+        with trio.fail_after(120):
+            await cluster.wait_workers(2)
+            async with cluster.client() as client:
+                first = await client.create_task(
+                    TaskRequest(
+                        image=registry.busybox,
+                        command=("sh", "-c", "echo work > /result.txt; echo ready; sleep 600"),
+                        cards=1,
+                    )
+                )
+                await wait_for_line(client, first.id, "ready")
+                snapshot = await client.snapshot_task(first.id)
+                await client.cancel_task(first.id)
+                second = await client.create_task(
+                    TaskRequest(
+                        image=registry.busybox,
+                        command=("cat", "/result.txt"),
+                        cards=2,
+                        snapshot=snapshot.digest,
+                    )
+                )
+                done = await client.wait_task(second.id)
+                lines = [line.text async for line in client.task_logs(second.id, follow=False)]
+                placed = await client.task(first.id)
+        assert done.state == "succeeded", done
+        assert done.worker != placed.worker  # two cards: only the second node's worker
+        assert lines == ["work"]
+
+
+async def test_a_task_mounts_its_workspace_bucket_with_the_workspaces_credentials(
+    tmp_path: Path, kube: KubeStandin, registry: SharedRegistry, s3_server: S3Server
+) -> None:
+    user = s3_server.users["a"]
+    s3_server.client(user=user).put_object(Bucket=user.bucket, Key="in.txt", Body=b"from-s3\n")
+    bucket = {
+        "name": "data",
+        "url": f"s3://{user.bucket}/",
+        "s3": {
+            "accessKeyId": user.access_key_id,
+            "secretAccessKey": user.secret_access_key,
+            "endpoint": s3_server.endpoint,
+        },
+    }
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 1), "gpu")],
+        pools=[PoolSpec("gpu", tunnel=True)],
+        agent_env={"LEVERS9_BUCKET_CA": str(s3_server.ca_file)},
+        buckets={"team-a": [bucket]},
+    ) as cluster:
+        with trio.fail_after(120):
+            await cluster.wait_workers(1)
+            async with cluster.client() as client:
+                task = await client.create_task(
+                    TaskRequest(
+                        image=registry.busybox,
+                        command=("sh", "-c", "cat /data/in.txt && echo done > /data/out.txt"),
+                        volumes=(TaskVolume(bucket="data", mount_path="/data"),),
+                    )
+                )
+                done = await client.wait_task(task.id)
+                lines = [line.text async for line in client.task_logs(task.id, follow=False)]
+            async with cluster.client("team-b") as bob:
+                with pytest.raises(ApiError) as info:
+                    await bob.create_task(
+                        TaskRequest(
+                            image=registry.busybox,
+                            volumes=(TaskVolume(bucket="data", mount_path="/data"),),
+                        )
+                    )
+        assert info.value.code is ErrorCode.INVALID_ARGUMENT
+        assert info.value.field == "volumes[0].bucket"
+        assert done.state == "succeeded", done
+        assert lines == ["from-s3"]
+        body = s3_server.client(user=user).get_object(Bucket=user.bucket, Key="out.txt")["Body"]
+        assert body.read() == b"done\n"
+        # The workspace's keys reached the worker, never the task database.
+        stored = b"".join(p.read_bytes() for p in (tmp_path / "cluster").glob("tasks.db*"))
+        assert user.secret_access_key.encode() not in stored
+        assert user.access_key_id.encode() not in stored

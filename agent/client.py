@@ -196,26 +196,8 @@ class ApiClient:
         except ConnectionLost as exc:
             raise self._unavailable(exc) from None
 
-    async def aclose(self) -> None:
-        await self.conn.aclose()
-
-
-class WorkerClient(ApiClient):
-    """Typed calls to one worker's API."""
-
-    async def health(self) -> Health:
-        result = await self.call("GET", "/v1/health", response_type=Health)
-        assert result is not None
-        return result
-
-    async def worker(self) -> WorkerInfo:
-        result = await self.call("GET", "/v1/worker", response_type=WorkerInfo)
-        assert result is not None
-        return result
-
-    async def connect_tcp(self, host: str, port: int) -> H2ByteStream:
-        """A byte stream to `host:port` on the worker's side (endpoint and box-port traffic)."""
-        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    async def connect(self, authority: str) -> H2ByteStream:
+        """A plain CONNECT to `authority`: a two-way byte stream (RFC 9113 8.5)."""
         headers: Headers = [
             (b":method", b"CONNECT"),
             (b":authority", authority.encode()),
@@ -224,7 +206,7 @@ class WorkerClient(ApiClient):
         return await self._open_tunnel(headers)
 
     async def open_websocket(self, path: str) -> H2WebSocket:
-        """A WebSocket to a worker route over RFC 8441 extended CONNECT (exec uses it)."""
+        """A WebSocket to a route over RFC 8441 extended CONNECT (exec uses it)."""
         headers: Headers = [
             (b":method", b"CONNECT"),
             (b":protocol", b"websocket"),
@@ -251,6 +233,46 @@ class WorkerClient(ApiClient):
             self.conn.forget(stream)
             raise error_from_body(status, body)
         return H2ByteStream(stream)
+
+    async def ndjson(self, path: str, cls: type[T]) -> AsyncGenerator[T, None]:
+        """A streamed GET of newline-delimited JSON, one `cls` per line as it arrives."""
+        async with self.stream("GET", path) as response:
+            pending = b""
+            async for chunk in response.iter_chunks():
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield models.loads(line, cls)
+            if pending.strip():
+                yield models.loads(pending, cls)
+
+    async def _typed(self, method: str, path: str, body: Any, cls: type[T]) -> T:
+        result = await self.call(method, path, body, cls)
+        assert result is not None
+        return result
+
+    async def aclose(self) -> None:
+        await self.conn.aclose()
+
+
+class WorkerClient(ApiClient):
+    """Typed calls to one worker's API."""
+
+    async def health(self) -> Health:
+        result = await self.call("GET", "/v1/health", response_type=Health)
+        assert result is not None
+        return result
+
+    async def worker(self) -> WorkerInfo:
+        result = await self.call("GET", "/v1/worker", response_type=WorkerInfo)
+        assert result is not None
+        return result
+
+    async def connect_tcp(self, host: str, port: int) -> H2ByteStream:
+        """A byte stream to `host:port` on the worker's side (endpoint and box-port traffic)."""
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return await self.connect(authority)
 
     # -- objects (the worker's node-local store, agent.objects) --
 
@@ -396,14 +418,9 @@ class WorkerClient(ApiClient):
     ) -> AsyncGenerator[LogLine, None]:
         """The container's log lines from the start; with `follow`, until it has ended."""
         path = _container_path(container_id, "logs") + f"?follow={'true' if follow else 'false'}"
-        async with self.stream("GET", path) as response:
-            pending = b""
-            async for chunk in response.iter_chunks():
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if line:
-                        yield models.loads(line, LogLine)
+        async with contextlib.aclosing(self.ndjson(path, LogLine)) as lines:
+            async for line in lines:
+                yield line
 
     async def exec_in_container(
         self,
@@ -422,11 +439,6 @@ class WorkerClient(ApiClient):
             return await run_exec(ws, request, stdin=stdin, on_output=on_output)
         finally:
             await ws.aclose()
-
-    async def _typed(self, method: str, path: str, body: Any, cls: type[T]) -> T:
-        result = await self.call(method, path, body, cls)
-        assert result is not None
-        return result
 
 
 def _object_path(digest: str) -> str:

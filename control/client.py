@@ -10,6 +10,7 @@ the message say what to set: the URL, the token or the CA file.
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import urllib.parse
 from collections.abc import (
@@ -25,17 +26,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from agent import models
-from agent.client import ApiClient, WorkerUnavailable, error_from_body, open_api_client
+from agent.client import ApiClient, WorkerUnavailable, open_api_client
 from agent.connection import (
     H2ByteStream,
-    Headers,
     KeepaliveConfig,
-    StreamError,
     StreamRefused,
-    header_value,
 )
-from agent.h2websocket import H2WebSocket
 from agent.models import ExecRequest, ExecResize, LogLine, WorkerInfo
 from agent.tls import TLSStream, verifying_client_context
 from control.models import TaskList, TaskRequest, TaskSnapshot, TaskView
@@ -65,11 +61,6 @@ class ControlClient(ApiClient):
             "run the command again",
             retryable=isinstance(exc, StreamRefused),
         )
-
-    async def _typed(self, method: str, path: str, body: Any, cls: type[T]) -> T:
-        result = await self.call(method, path, body, cls)
-        assert result is not None
-        return result
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -104,16 +95,9 @@ class ControlClient(ApiClient):
         """The task's log lines from the start; with `follow`, the server first waits for a
         pending task to start and the stream ends when the task has ended."""
         path = _task_path(task_id, "logs") + ("?follow=true" if follow else "")
-        async with self.stream("GET", path) as response:
-            pending = b""
-            async for chunk in response.iter_chunks():
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        yield models.loads(line, LogLine)
-            if pending.strip():
-                yield models.loads(pending, LogLine)
+        async with contextlib.aclosing(self.ndjson(path, LogLine)) as lines:
+            async for line in lines:
+                yield line
 
     async def exec_in_task(
         self,
@@ -137,42 +121,7 @@ class ControlClient(ApiClient):
 
     async def connect_port(self, task_id: str, port: int) -> H2ByteStream:
         """A byte stream to `port` of the task's container (a CONNECT to `<task id>:<port>`)."""
-        return await self._open_tunnel(
-            [
-                (b":method", b"CONNECT"),
-                (b":authority", f"{task_id}:{port}".encode()),
-                (b"authorization", f"Bearer {self._token}".encode()),
-            ]
-        )
-
-    async def open_websocket(self, path: str) -> H2WebSocket:
-        """A WebSocket over RFC 8441 extended CONNECT."""
-        headers: Headers = [
-            (b":method", b"CONNECT"),
-            (b":protocol", b"websocket"),
-            (b":scheme", b"https"),
-            (b":path", path.encode()),
-            (b":authority", self.authority.encode()),
-            (b"authorization", f"Bearer {self._token}".encode()),
-            (b"sec-websocket-version", b"13"),
-        ]
-        return H2WebSocket(await self._open_tunnel(headers), client_side=True)
-
-    async def _open_tunnel(self, headers: Headers) -> H2ByteStream:
-        try:
-            stream = await self.conn.open_stream(headers)
-            response_headers = await stream.wait_headers()
-        except StreamError as exc:
-            raise self._unavailable(exc) from None
-        status = int((header_value(response_headers, b":status") or b"0").decode())
-        if status != 200:
-            try:
-                body = await stream.read_all(1024 * 1024)
-            except StreamError:
-                body = b""
-            self.conn.forget(stream)
-            raise error_from_body(status, body)
-        return H2ByteStream(stream)
+        return await self.connect(f"{task_id}:{port}")
 
     # -- workers and machines ----------------------------------------------------------------
 

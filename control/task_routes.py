@@ -73,7 +73,7 @@ def spec_of(request: TaskRequest, volumes: tuple[models.VolumeSpec, ...]) -> Tas
     )
 
 
-def _states(raw: str | None) -> list[TaskState] | None:
+def query_states(raw: str | None) -> list[TaskState] | None:
     if not raw:
         return None
     out = []
@@ -90,7 +90,7 @@ def _states(raw: str | None) -> list[TaskState] | None:
     return out
 
 
-def _limit(raw: str | None) -> int:
+def query_limit(raw: str | None) -> int:
     if raw is None:
         return 100
     if not raw.isdigit() or not 1 <= int(raw) <= 1000:
@@ -134,7 +134,9 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
     async def list_tasks(request: Request) -> TaskList:
         workspace = workspace_of(request.principal)
         records = await store.list(
-            workspace, _states(request.query.get("state")), _limit(request.query.get("limit"))
+            workspace,
+            query_states(request.query.get("state")),
+            query_limit(request.query.get("limit")),
         )
         return TaskList(tuple(dispatcher.view(r) for r in records))
 

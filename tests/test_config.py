@@ -100,6 +100,70 @@ def test_bad_values_name_the_field(values: dict[str, object], needle: str) -> No
     assert needle in str(err.value)
 
 
+def _with_workspaces(*workspaces: dict[str, object]) -> dict[str, object]:
+    return {
+        "config": {
+            "publicUrl": "https://x",
+            "tls": {"certFile": "a", "keyFile": "b"},
+            "workspaces": list(workspaces),
+        }
+    }
+
+
+S3_KEYS = {"accessKeyId": "AKIDEXAMPLE", "secretAccessKey": "bucket-secret-9999"}
+
+
+@pytest.mark.parametrize(
+    ("workspaces", "needle"),
+    [
+        (({"name": "Team A"},), "config.workspaces[0].name 'Team A' must be"),
+        (({"name": "a"}, {"name": "a"}), "config.workspaces[1].name 'a' appears twice"),
+        (
+            (
+                {"name": "a", "tokens": [{"name": "x", "token": "same-token"}]},
+                {"name": "b", "tokens": [{"name": "y", "token": "same-token"}]},
+            ),
+            "config.workspaces[1].tokens[0] (y) reuses a token",
+        ),
+        (({"name": "a", "tokens": [{"name": "x", "token": ""}]},), "tokens[0].token is empty"),
+        (
+            ({"name": "a", "buckets": [{"name": "d", "url": "s3://b/"}]},),
+            "config.workspaces[0].buckets[0].s3 is missing",
+        ),
+        (
+            ({"name": "a", "buckets": [{"name": "d", "url": "ftp://b/", "s3": S3_KEYS}]},),
+            "config.workspaces[0].buckets[0].url must be s3://",
+        ),
+        (
+            ({"name": "a", "buckets": [{"name": "d", "url": "s3://b/", "s3": {"key": "x"}}]},),
+            "config.workspaces[0].buckets[0].s3",
+        ),
+    ],
+)
+def test_bad_workspaces_name_the_field(
+    workspaces: tuple[dict[str, object], ...], needle: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(_with_workspaces(*workspaces))
+    assert needle in str(err.value)
+    assert "same-token" not in str(err.value)
+
+
+def test_workspace_tokens_and_bucket_keys_stay_out_of_repr() -> None:
+    config = parse(
+        _with_workspaces(
+            {
+                "name": "team-a",
+                "tokens": [{"name": "alice", "token": "alice-secret-1234"}],
+                "buckets": [{"name": "data", "url": "s3://bucket/", "s3": S3_KEYS}],
+            }
+        )
+    )
+    assert config.workspaces[0].buckets[0].s3 is not None
+    assert "alice-secret-1234" not in repr(config)
+    assert "bucket-secret-9999" not in repr(config)
+
+
 def test_unreadable_or_bad_yaml_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_files([tmp_path / "missing.yaml"])

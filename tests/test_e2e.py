@@ -5,6 +5,8 @@ API (directly or through the tunnel)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,8 +21,10 @@ from tests.kube_standin import KubeStandin
 from tests.kubelet import SimNode
 from tests.registry_fixtures import SharedRegistry
 from tests.s3_server import S3Server
+from tests.workers import read_line
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures", "tests.s3_fixtures"]
+LEVERS9 = (sys.executable, "-m", "control.cli")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (CI runs as root)")
 
 
@@ -231,6 +235,46 @@ async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
             other = await cluster.cli("task", "get", task_id, workspace="team-b", check=False)
             assert other.returncode == 1
             assert b"NOT_FOUND" in other.stderr
+
+            # exec with stdin from a pipe, and a local port forwarded to the task's box port.
+            echo = await cluster.cli(
+                "run", "--detach", registry.busybox, "--", "nc", "-ll", "-p", "9000", "-e", "cat"
+            )  # fmt: skip
+            echo_id = echo.stdout.decode().strip()
+            async with cluster.client() as client:
+                await wait_state(client, echo_id, "running")
+            piped = await trio.run_process(
+                [*LEVERS9, "exec", echo_id, "--", "sh", "-c", "cat; exit 4"],
+                env=cluster.cli_env(),
+                stdin=b"through exec\n",
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )  # fmt: skip
+            assert piped.returncode == 4, piped.stderr
+            assert piped.stdout == b"through exec\n"
+            forward = await trio.lowlevel.open_process(
+                [*LEVERS9, "port", echo_id, "9000", "--local", "127.0.0.1:0"],
+                env=cluster.cli_env(),
+                stderr=subprocess.PIPE,
+            )  # fmt: skip
+            try:
+                assert forward.stderr is not None
+                line = (await read_line(forward.stderr)).decode()
+                assert line.startswith("forwarding 127.0.0.1:"), line
+                local_port = int(line.split()[1].rsplit(":", 1)[1])
+                for _ in range(2):  # two connections over the one forwarder
+                    stream = await trio.open_tcp_stream("127.0.0.1", local_port)
+                    await stream.send_all(b"through port\n")
+                    await stream.send_eof()
+                    got = b""
+                    while data := await stream.receive_some():
+                        got += data
+                    assert got == b"through port\n"
+                    await stream.aclose()
+            finally:
+                forward.terminate()
+                await forward.wait()
 
 
 async def test_a_snapshot_follows_its_task_to_another_worker(

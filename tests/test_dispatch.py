@@ -1,0 +1,99 @@
+"""The dispatcher's pure decisions: which workers take tasks and with how much free, what a
+container's end means for its task, how much of a log is kept; and the task routes' input
+checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.models import ApiError, ContainerStatus, ErrorCode
+from control.dispatch import Hold, capacities, is_ready, keep_tail, outcome
+from control.models import TaskRequest
+from control.registry import WorkerEntry
+from control.task_routes import query_limit, query_states, spec_of, workspace_of
+from control.tasks import Exited, Failed, TaskState
+
+NOW = 1_000.0
+
+
+def entry(worker_id: str = "w1", **kw: object) -> WorkerEntry:
+    values: dict[str, object] = {
+        "mode": "direct",
+        "registered_at": NOW - 5,
+        "runs_containers": True,
+        "cards": 4,
+        "cpu_millis": 8000,
+        "memory_bytes": 32 << 30,
+        "node": "n1",
+    }
+    values.update(kw)
+    return WorkerEntry(worker_id, "token", **values)  # type: ignore[arg-type]
+
+
+def test_a_registered_direct_worker_is_ready_until_it_is_silent_or_winds_down() -> None:
+    assert is_ready(entry(), NOW, lost_after_s=60)
+    assert not is_ready(entry(registered_at=None), NOW, lost_after_s=60)
+    assert not is_ready(entry(registered_at=NOW - 61), NOW, lost_after_s=60)
+    assert not is_ready(entry(draining=True), NOW, lost_after_s=60)
+    assert not is_ready(entry(runs_containers=False), NOW, lost_after_s=60)
+
+
+def test_a_tunnel_worker_is_ready_only_while_its_tunnel_is_up() -> None:
+    assert not is_ready(entry(mode="tunnel"), NOW, lost_after_s=60)
+
+
+def test_free_capacity_is_what_the_worker_has_less_what_its_tasks_hold() -> None:
+    holding = {"w1": {"t1": Hold(1, 1500, 1 << 30), "t2": Hold(2, 500, 1 << 30)}}
+    (one, two) = capacities([entry("w1"), entry("w2", cards=1)], holding, NOW, 60)
+    assert (one.cards_free, one.cpu_free_millis, one.memory_free_bytes) == (1, 6000, 30 << 30)
+    assert (one.cards_total, one.cpu_total_millis) == (4, 8000)
+    assert (two.cards_free, two.cards_total) == (1, 1)
+    assert one.ready and two.ready
+
+
+def status(**kw: object) -> ContainerStatus:
+    values: dict[str, object] = {"id": "t-1", "image": "busybox", "state": "exited"}
+    values.update(kw)
+    return ContainerStatus(created_at=NOW, **values)  # type: ignore[arg-type]
+
+
+def test_a_containers_end_becomes_the_tasks_event() -> None:
+    assert outcome(status(exit_code=0)) == Exited(0)
+    assert outcome(status(exit_code=3)) == Exited(3)
+    oom = outcome(status(exit_code=137, oom_killed=True))
+    assert isinstance(oom, Failed) and "more memory" in oom.reason
+    pull = outcome(status(state="failed", error="image busybox:nope not found"))
+    assert pull == Failed("image busybox:nope not found")
+
+
+def test_the_kept_log_is_its_last_whole_lines_within_the_limit() -> None:
+    lines = [b"first\n", b"second\n", b"third\n"]
+    assert keep_tail(lines, 100) == b"first\nsecond\nthird\n"
+    assert keep_tail(lines, 13) == b"second\nthird\n"
+    assert keep_tail(lines, 3) == b""
+
+
+def test_task_calls_need_a_workspace_token() -> None:
+    assert workspace_of("ws:team-a") == "team-a"
+    with pytest.raises(ApiError) as info:
+        workspace_of("api:ops")
+    assert info.value.code is ErrorCode.PERMISSION_DENIED
+
+
+def test_listing_queries_are_checked() -> None:
+    assert query_states("pending,running") == [TaskState.PENDING, TaskState.RUNNING]
+    assert query_states(None) is None
+    with pytest.raises(ApiError, match="'sleeping' is not a task state"):
+        query_states("sleeping")
+    assert query_limit("5") == 5
+    for bad in ("0", "1001", "many"):
+        with pytest.raises(ApiError, match="limit"):
+            query_limit(bad)
+
+
+def test_a_snapshot_must_be_a_digest() -> None:
+    spec = spec_of(TaskRequest(image="busybox", snapshot="sha256:" + "a" * 64), ())
+    assert spec.snapshot == "sha256:" + "a" * 64
+    with pytest.raises(ApiError) as info:
+        spec_of(TaskRequest(image="busybox", snapshot="latest"), ())
+    assert info.value.field == "snapshot"

@@ -36,6 +36,7 @@ NODE_ANNOTATION = "levers9.dev/node"
 WORKER_NAME = "levers9-worker"
 MANAGER = "levers9"
 TOKEN_KEY = "token"
+TERMINATION_GRACE_S = 60
 POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
 GPU_MODEL_LABELS = (
     "cloud.google.com/gke-accelerator",
@@ -789,6 +790,9 @@ def job_manifest(
     ]
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
+        # A stopping agent stops its containers first, each with its own grace (10 s unless the
+        # task says otherwise); Kubernetes' default of 30 s would cut a slow one short.
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "nodeSelector": {"kubernetes.io/hostname": hostname or node},
         "hostNetwork": settings.host_network,
         "tolerations": [dict(t) for t in settings.tolerations],

@@ -19,7 +19,8 @@ Design choices:
   stay its own until it ends. Neighbour pods (not ours) bound to a node hold the lowest free
   indexes, in the stand-in's pod order, from the moment the kubelet first sees them.
 - Every agent is a child of a task in the nursery `run` owns; when `run` is cancelled each one
-  gets SIGTERM and, after `GRACE_S`, SIGKILL, all at once, and `run` returns once all have exited.
+  gets SIGTERM and, after its pod's grace period, SIGKILL, all at once, and `run` returns once
+  all have exited.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ log = logging.getLogger("levers9.tests.kubelet")
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.1
 """How often the stand-in is looked at."""
-GRACE_S = 10.0
-"""How long an agent has between SIGTERM and SIGKILL."""
+GRACE_S = 30.0
+"""How long an agent has between SIGTERM and SIGKILL when its pod does not say
+(`terminationGracePeriodSeconds`, whose default this is, as in Kubernetes)."""
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 NVIDIA_MAJOR = 195
 UVM_MAJOR = 509
@@ -428,6 +430,11 @@ class _Worker:
         return str(self.job["metadata"]["namespace"])
 
     @property
+    def grace_s(self) -> float:
+        spec = ((self.job.get("spec") or {}).get("template") or {}).get("spec") or {}
+        return float(spec.get("terminationGracePeriodSeconds", GRACE_S))
+
+    @property
     def uid(self) -> str:
         return str(self.job["metadata"]["uid"])
 
@@ -493,7 +500,7 @@ class SimulatedKubelet:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Lays out the nodes, adds them to the stand-in, then runs Jobs until cancelled; on
-        cancellation every agent gets SIGTERM (SIGKILL after GRACE_S) and is waited for."""
+        cancellation every agent gets SIGTERM (SIGKILL after its grace period) and is waited for."""
         self._library, self._nodes = await trio.to_thread.run_sync(self._lay_out)
         for node in self._nodes.values():
             spec = node.spec
@@ -781,7 +788,7 @@ class SimulatedKubelet:
             process = worker.process
             if process is not None:
                 with trio.CancelScope(shield=True):
-                    await _terminate(process, GRACE_S)
+                    await _terminate(process, worker.grace_s)
                 worker.returncode = process.returncode
             if not shutting_down:
                 self._on_exit(worker)

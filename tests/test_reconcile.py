@@ -470,6 +470,8 @@ def test_direct_manifest() -> None:
     assert pod_spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod_spec["nodeSelector"] == {"kubernetes.io/hostname": "n1-host"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists"} in pod_spec["tolerations"]
+    # Time for the agent to stop its containers (each with its own grace) before SIGKILL.
+    assert pod_spec["terminationGracePeriodSeconds"] >= 30
     container = pod_spec["containers"][0]
     assert container["securityContext"]["privileged"] is True
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "3"

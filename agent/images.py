@@ -895,7 +895,10 @@ class ImagePuller:
             cached = top is not None
         if top is not None:
             self.store.pin(top, owner)
-        body = await self._local_manifest(top) if top is not None else None
+        # `always` asks the registry even for a digest it holds: that is also how a caller
+        # proves it may pull an image someone else's credentials brought here.
+        trust_local = top is not None and policy != "always"
+        body = await self._local_manifest(top) if trust_local and top is not None else None
         if body is None:
             top, body = await self._fetch_manifest(session, ref.digest or ref.tag or "", what)
             self.store.pin(top, owner)

@@ -60,13 +60,24 @@ class BucketConfig:
 
 
 @attrs.frozen
+class RegistryLogin:
+    """Credentials for a private image registry (`host[:port]` as image references name it),
+    used for each pull of the workspace's tasks from there and never stored by a worker."""
+
+    host: str
+    username: str
+    password: str = attrs.field(repr=False)
+
+
+@attrs.frozen
 class WorkspaceConfig:
-    """A workspace: its API tokens (every task call is scoped to the token's workspace) and
-    its buckets."""
+    """A workspace: its API tokens (every task call is scoped to the token's workspace), its
+    buckets and its registry logins."""
 
     name: str
     tokens: tuple[ApiToken, ...] = ()
     buckets: tuple[BucketConfig, ...] = ()
+    registries: tuple[RegistryLogin, ...] = ()
 
 
 @attrs.frozen
@@ -218,5 +229,15 @@ def _validate(config: ControlConfig) -> None:
                 raise ConfigError(
                     f"{where}.buckets[{j}].gcs is missing; give the credentials for {bucket.url}"
                 )
+        hosts: set[str] = set()
+        for j, login in enumerate(workspace.registries):
+            if not login.host or "/" in login.host:
+                raise ConfigError(
+                    f"{where}.registries[{j}].host must be a registry host[:port] such as "
+                    f"registry.example.com, not {login.host!r}"
+                )
+            if login.host in hosts:
+                raise ConfigError(f"{where}.registries[{j}].host {login.host!r} appears twice")
+            hosts.add(login.host)
     if not config.database.path:
         raise ConfigError("config.database.path is empty; give the task database's file path")

@@ -593,6 +593,8 @@ class Dispatcher:
             ports=spec.ports,
             snapshot=spec.snapshot,
             volumes=volumes,
+            registry_auth=self.workspaces.registry_auth(record.workspace, spec.image),
+            pull_policy=self.workspaces.pull_policy(spec.image),
             labels={TASK_LABEL: record.id, "levers9.dev/workspace": record.workspace},
         )
 

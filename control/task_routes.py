@@ -23,6 +23,7 @@ import trio
 
 from agent import models
 from agent.h2websocket import H2WebSocket, WebSocketClosed
+from agent.images import parse_reference
 from agent.models import ApiError, ErrorCode
 from agent.objects import parse_digest
 from agent.service import Dialer, JsonResponse, Request, Router, StreamResponse
@@ -58,6 +59,10 @@ def spec_of(request: TaskRequest, volumes: tuple[models.VolumeSpec, ...]) -> Tas
                 "use the one `levers9 task snapshot` printed",
                 field="snapshot",
             ) from None
+    try:
+        parse_reference(request.image)
+    except ApiError as exc:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, exc.message, field="image") from None
     return TaskSpec(
         image=request.image,
         command=request.command,

@@ -1,4 +1,5 @@
-"""Workspaces: who a token speaks for, and which buckets (with whose credentials) it may mount.
+"""Workspaces: who a token speaks for, which buckets (with whose credentials) it may mount, and
+which registry logins its pulls use.
 
 Every task call is scoped to the workspace of the token that made it; a task of another
 workspace is NOT_FOUND, in the same words as one that does not exist. A task names buckets of
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from agent.models import ApiError, ErrorCode, VolumeSpec
+from agent.images import parse_reference
+from agent.models import ApiError, ErrorCode, RegistryAuth, VolumeSpec
 from control.config import WorkspaceConfig
 from control.models import TaskVolume
 
@@ -61,6 +63,28 @@ class Workspaces:
                 )
             )
         return tuple(out)
+
+    def pull_policy(self, image: str) -> str:
+        """`always` for an image of a registry some workspace logs in to: a worker may hold it
+        from another workspace's pull, and only the registry can say whether this workspace
+        may use it (the layers stay cached; only the manifest is asked for). Public images
+        start from the cache."""
+        registry = parse_reference(image).registry
+        private = any(
+            login.host == registry for c in self._configs.values() for login in c.registries
+        )
+        return "always" if private else "if-not-present"
+
+    def registry_auth(self, workspace: str, image: str) -> RegistryAuth | None:
+        """The workspace's login for the registry `image` is pulled from, if it has one."""
+        config = self._configs.get(workspace)
+        if config is None or not config.registries:
+            return None
+        registry = parse_reference(image).registry
+        for login in config.registries:
+            if login.host == registry:
+                return RegistryAuth(username=login.username, password=login.password)
+        return None
 
     def with_credentials(self, workspace: str, volume: VolumeSpec) -> VolumeSpec:
         """The stored volume with its workspace's credentials, for one container create."""

@@ -194,6 +194,7 @@ def control_values(
     operator_token: str,
     buckets: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     lost_after_s: float = 20.0,
+    registries: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     return {
         "config": {
@@ -207,6 +208,7 @@ def control_values(
                     "name": name,
                     "tokens": [{"name": f"{name}-user", "token": token}],
                     "buckets": list((buckets or {}).get(name, ())),
+                    "registries": list((registries or {}).get(name, ())),
                 }
                 for name, token in tokens.items()
             ],
@@ -228,6 +230,7 @@ async def open_cluster(
     agent_env: Mapping[str, str] | None = None,
     buckets: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     lost_after_s: float = 20.0,
+    registries: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> AsyncIterator[Cluster]:
     """Nodes are (node, pool name) pairs. The kubelet starts before the controlplane so the
     nodes are there for its first reconcile; everything stops when the block ends."""
@@ -247,6 +250,7 @@ async def open_cluster(
             operator_token,
             buckets=buckets,
             lost_after_s=lost_after_s,
+            registries=registries,
         )
     )
     labelled = [

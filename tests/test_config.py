@@ -138,6 +138,10 @@ S3_KEYS = {"accessKeyId": "AKIDEXAMPLE", "secretAccessKey": "bucket-secret-9999"
             ({"name": "a", "buckets": [{"name": "d", "url": "s3://b/", "s3": {"key": "x"}}]},),
             "config.workspaces[0].buckets[0].s3",
         ),
+        (
+            ({"name": "a", "registries": [{"host": "r.io/x", "username": "u", "password": "p"}]},),
+            "config.workspaces[0].registries[0].host must be a registry host",
+        ),
     ],
 )
 def test_bad_workspaces_name_the_field(

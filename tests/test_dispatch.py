@@ -97,3 +97,10 @@ def test_a_snapshot_must_be_a_digest() -> None:
     with pytest.raises(ApiError) as info:
         spec_of(TaskRequest(image="busybox", snapshot="latest"), ())
     assert info.value.field == "snapshot"
+
+
+def test_an_image_reference_is_checked_when_the_task_is_created() -> None:
+    with pytest.raises(ApiError) as info:
+        spec_of(TaskRequest(image="Not A Reference!"), ())
+    assert info.value.field == "image"
+    assert "Not A Reference!" in info.value.message

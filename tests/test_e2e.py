@@ -19,7 +19,7 @@ from control.models import TaskRequest, TaskView, TaskVolume
 from tests.cluster import Cluster, PoolSpec, open_cluster
 from tests.kube_standin import KubeStandin
 from tests.kubelet import SimNode
-from tests.registry_fixtures import SharedRegistry
+from tests.registry_fixtures import AuthRegistry, SharedRegistry
 from tests.s3_server import S3Server
 from tests.workers import read_line
 
@@ -367,3 +367,37 @@ async def test_a_task_mounts_its_workspace_bucket_with_the_workspaces_credential
         stored = b"".join(p.read_bytes() for p in (tmp_path / "cluster").glob("tasks.db*"))
         assert user.secret_access_key.encode() not in stored
         assert user.access_key_id.encode() not in stored
+
+
+async def test_a_workspace_pulls_from_a_private_registry_with_its_own_login(
+    tmp_path: Path, kube: KubeStandin, basic_registry: AuthRegistry
+) -> None:
+    login = {
+        "host": basic_registry.server.host,
+        "username": basic_registry.credentials.username,
+        "password": basic_registry.credentials.password,
+    }
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 1), "gpu")],
+        pools=[PoolSpec("gpu")],
+        registries={"team-a": [login]},
+    ) as cluster:
+        with trio.fail_after(120):
+            await cluster.wait_workers(1)
+            async with cluster.client("team-a") as alice:
+                task = await alice.create_task(
+                    TaskRequest(image=basic_registry.busybox, command=("echo", "pulled"))
+                )
+                done = await alice.wait_task(task.id)
+            async with cluster.client("team-b") as bob:
+                refused = await bob.create_task(
+                    TaskRequest(image=basic_registry.busybox, command=("echo", "pulled"))
+                )
+                failed = await bob.wait_task(refused.id)
+    assert done.state == "succeeded", done
+    assert failed.state == "failed"
+    assert failed.reason and basic_registry.server.host in failed.reason, failed.reason
+    stored = b"".join(p.read_bytes() for p in (tmp_path / "cluster").glob("tasks.db*"))
+    assert basic_registry.credentials.password.encode() not in stored

@@ -525,8 +525,11 @@ async def test_basic_auth_right_wrong_and_missing(
         again = await pull_error(
             puller, basic_registry.busybox, credentials=basic_registry.wrong, policy="always"
         )
+        # Nor a pinned digest that is here: `always` asks the registry for it too.
+        pinned = f"{basic_registry.server.host}/busybox@{image.manifest_digest}"
+        by_digest = await pull_error(puller, pinned, policy="always")
     assert image.manifest_digest == busybox_image().digest
-    for error in (missing, wrong, again):
+    for error in (missing, wrong, again, by_digest):
         assert error.code is ErrorCode.UNAUTHENTICATED
         assert host in error.message
     assert "requires credentials" in missing.message

@@ -379,9 +379,6 @@ class Dispatcher:
 
     async def worker_gone(self, worker_id: str, reason: str) -> None:
         """The worker's Job ended or was deleted: its tasks are lost."""
-        entry = self.registry.entry(worker_id)
-        if entry is not None:
-            entry.draining = True
         lost = await self.store.mark_worker_lost(worker_id, f"worker {worker_id} is gone: {reason}")
         for record in lost:
             self._running_records.pop(record.id, None)
@@ -391,6 +388,11 @@ class Dispatcher:
                 watch.lost = True
                 watch.scope.cancel()
             self._release(record)
+        # Its agent has exited: forget it (its token stops working, its clients close).
+        await self.registry.remove_worker(worker_id)
+        self._syncing.discard(worker_id)
+        self._synced.discard(worker_id)
+        self._holding.pop(worker_id, None)
         self.changed()
         self.wake()
 

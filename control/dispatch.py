@@ -269,16 +269,24 @@ class Dispatcher:
         for assignment in plan.assignments:
             record = by_id[assignment.task_id]
             entry = self.registry.entry(assignment.worker_id)
+            if entry is None or entry.draining:
+                continue  # it deregistered while earlier placements were written
+            # Held before the write, so a deregistration meanwhile sees the worker is busy.
+            placed = attrs.evolve(record, worker=assignment.worker_id)
+            self._hold(placed)
             try:
                 started = await self.store.apply(
                     record.workspace,
                     record.id,
-                    Start(worker=assignment.worker_id, node=entry.node if entry else None),
+                    Start(worker=assignment.worker_id, node=entry.node),
                 )
             except TransitionError:
+                self._release(placed)
                 continue  # cancelled meanwhile
+            except BaseException:
+                self._release(placed)
+                raise
             log.info("task %s placed on worker %s", record.id, assignment.worker_id)
-            self._hold(started)
             assert self._nursery is not None
             self._nursery.start_soon(self._watch, started, False)
         if plan.assignments:

@@ -34,6 +34,7 @@ from control.models import TaskSnapshot, TaskView
 from control.registry import WorkerEntry, WorkerRegistry
 from control.scheduler import PendingTask, WorkerCapacity, schedule
 from control.tasks import (
+    ACTIVE_ON_WORKER,
     Cancel,
     Exited,
     Failed,
@@ -375,7 +376,8 @@ class Dispatcher:
 
     async def snapshot(self, workspace: str, task_id: str) -> TaskSnapshot:
         record = await self.store.get(workspace, task_id)
-        if record.state is not TaskState.RUNNING or record.worker is None:
+        if record.state not in ACTIVE_ON_WORKER or record.worker is None:
+            # A starting task goes to its worker, which refuses if the container is not up.
             raise ApiError(
                 ErrorCode.FAILED_PRECONDITION,
                 f"task {task_id} is {record.state.value}; only a running task can be snapshotted",

@@ -30,7 +30,7 @@ from agent.service import Dialer, JsonResponse, Request, Router, StreamResponse
 from control.dispatch import SCHEDULE_EVERY_S, Dispatcher, WorkerLost
 from control.endpoints import EndpointProxy, upstream_target
 from control.models import TaskList, TaskRequest, TaskSnapshot, TaskView
-from control.tasks import TaskRecord, TaskSpec, TaskState
+from control.tasks import ACTIVE_ON_WORKER, TaskRecord, TaskSpec, TaskState
 
 log = logging.getLogger("levers9.tasks")
 
@@ -113,8 +113,10 @@ def _flag(request: Request, name: str) -> bool:
 
 
 def _running(record: TaskRecord, what: str) -> str:
-    """The worker of a running task, or why `what` cannot be done now."""
-    if record.state is not TaskState.RUNNING or record.worker is None:
+    """The worker of a running task, or why `what` cannot be done now. A starting task is let
+    through to its worker, which knows best whether the container runs yet: its first output
+    can reach a user before the record says running."""
+    if record.state not in ACTIVE_ON_WORKER or record.worker is None:
         hint = "wait until it runs" if not record.state.terminal else "it has ended"
         raise ApiError(
             ErrorCode.FAILED_PRECONDITION,

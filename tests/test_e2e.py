@@ -191,8 +191,9 @@ async def wait_state(client: ControlClient, task_id: str, state: str) -> TaskVie
         await trio.sleep(0.1)
 
 
+@pytest.mark.parametrize("mode", ["direct", "tunnel"])
 async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
-    tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+    mode: str, tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
 ) -> None:
     import json
 
@@ -200,7 +201,7 @@ async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
         tmp_path / "cluster",
         kube,
         nodes=[(SimNode("gpu-node-1", 2), "gpu")],
-        pools=[PoolSpec("gpu", tunnel=True)],
+        pools=[PoolSpec("gpu", tunnel=mode == "tunnel")],
     ) as cluster:
         with trio.fail_after(120):
             await cluster.wait_workers(1)

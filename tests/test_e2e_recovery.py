@@ -92,8 +92,9 @@ async def test_a_killed_worker_loses_its_task_and_a_new_worker_appears(
         assert done.worker != worker
 
 
+@pytest.mark.parametrize("mode", ["direct", "tunnel"])
 async def test_a_multi_card_task_waits_for_one_worker_with_enough_cards(
-    tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+    mode: str, tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
 ) -> None:
     # A model server holds 2 of the node's 4 cards: the worker gets the other 2.
     kube.add_pod(make_pod("model-server", "gpu-node-1", gpu_limit=2))
@@ -101,7 +102,7 @@ async def test_a_multi_card_task_waits_for_one_worker_with_enough_cards(
         tmp_path / "cluster",
         kube,
         nodes=[(SimNode("gpu-node-1", 4), "gpu")],
-        pools=[PoolSpec("gpu", tunnel=True)],
+        pools=[PoolSpec("gpu", tunnel=mode == "tunnel")],
         agent_env={"LEVERS9_IDLE_S": "3"},
     ) as cluster:
         with trio.fail_after(120):

@@ -285,3 +285,20 @@ async def open_cluster(
             with trio.CancelScope(shield=True), trio.move_on_after(30):
                 await cluster.remove_containers()
             nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_node_cluster(
+    root: Path, kube: KubeStandin, cards: int, *, tunnel: bool = False, **options: Any
+) -> AsyncIterator[Cluster]:
+    """One GPU node with `cards` cards in one pool (tunnel or direct), its worker ready."""
+    async with open_cluster(
+        root,
+        kube,
+        nodes=[(SimNode("gpu-node-1", cards), "gpu")],
+        pools=[PoolSpec("gpu", tunnel=tunnel)],
+        **options,
+    ) as cluster:
+        with trio.fail_after(60):
+            await cluster.wait_workers(1)
+        yield cluster

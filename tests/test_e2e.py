@@ -16,7 +16,7 @@ import trio
 from agent.models import ApiError, ErrorCode, ExecRequest
 from control.client import ControlClient
 from control.models import TaskRequest, TaskView, TaskVolume
-from tests.cluster import Cluster, PoolSpec, open_cluster
+from tests.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
 from tests.kube_standin import KubeStandin
 from tests.kubelet import SimNode
 from tests.registry_fixtures import AuthRegistry, SharedRegistry
@@ -33,14 +33,12 @@ async def cluster(
     request: pytest.FixtureRequest, tmp_path: Path, kube: KubeStandin
 ) -> AsyncIterator[Cluster]:
     tunnel = request.param == "tunnel"
-    async with open_cluster(
+    async with open_node_cluster(
         tmp_path / "cluster",
         kube,
-        nodes=[(SimNode("gpu-node-1", 2), "gpu")],
-        pools=[PoolSpec("gpu", tunnel=tunnel)],
+        2,
+        tunnel=tunnel,
     ) as running:
-        with trio.fail_after(60):
-            await running.wait_workers(1)
         yield running
 
 
@@ -197,14 +195,13 @@ async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
 ) -> None:
     import json
 
-    async with open_cluster(
+    async with open_node_cluster(
         tmp_path / "cluster",
         kube,
-        nodes=[(SimNode("gpu-node-1", 2), "gpu")],
-        pools=[PoolSpec("gpu", tunnel=mode == "tunnel")],
+        2,
+        tunnel=mode == "tunnel",
     ) as cluster:
         with trio.fail_after(120):
-            await cluster.wait_workers(1)
             machines = json.loads((await cluster.cli("machine", "list", "--json")).stdout)
             assert [(m["node"], m["cards"]["total"]) for m in machines] == [("gpu-node-1", 2)]
 
@@ -330,16 +327,15 @@ async def test_a_task_mounts_its_workspace_bucket_with_the_workspaces_credential
             "endpoint": s3_server.endpoint,
         },
     }
-    async with open_cluster(
+    async with open_node_cluster(
         tmp_path / "cluster",
         kube,
-        nodes=[(SimNode("gpu-node-1", 1), "gpu")],
-        pools=[PoolSpec("gpu", tunnel=True)],
+        1,
+        tunnel=True,
         agent_env={"LEVERS9_BUCKET_CA": str(s3_server.ca_file)},
         buckets={"team-a": [bucket]},
     ) as cluster:
         with trio.fail_after(120):
-            await cluster.wait_workers(1)
             async with cluster.client() as client:
                 task = await client.create_task(
                     TaskRequest(
@@ -378,15 +374,13 @@ async def test_a_workspace_pulls_from_a_private_registry_with_its_own_login(
         "username": basic_registry.credentials.username,
         "password": basic_registry.credentials.password,
     }
-    async with open_cluster(
+    async with open_node_cluster(
         tmp_path / "cluster",
         kube,
-        nodes=[(SimNode("gpu-node-1", 1), "gpu")],
-        pools=[PoolSpec("gpu")],
+        1,
         registries={"team-a": [login]},
     ) as cluster:
         with trio.fail_after(120):
-            await cluster.wait_workers(1)
             async with cluster.client("team-a") as alice:
                 task = await alice.create_task(
                     TaskRequest(image=basic_registry.busybox, command=("echo", "pulled"))

@@ -12,9 +12,8 @@ import trio
 
 from control.client import ControlClient
 from control.models import TaskRequest, TaskView
-from tests.cluster import PoolSpec, open_cluster
+from tests.cluster import open_node_cluster
 from tests.kube_standin import KubeStandin, make_pod
-from tests.kubelet import SimNode
 from tests.registry_fixtures import SharedRegistry
 from tests.test_e2e import wait_for_line, wait_state
 
@@ -26,11 +25,11 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root 
 async def test_controlplane_restart_mid_task_keeps_records_and_logs(
     mode: str, tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
 ) -> None:
-    async with open_cluster(
+    async with open_node_cluster(
         tmp_path / "cluster",
         kube,
-        nodes=[(SimNode("gpu-node-1", 1), "gpu")],
-        pools=[PoolSpec("gpu", tunnel=mode == "tunnel")],
+        1,
+        tunnel=mode == "tunnel",
     ) as cluster:
         with trio.fail_after(90):
             (worker,) = await cluster.wait_workers(1)
@@ -61,11 +60,11 @@ async def test_controlplane_restart_mid_task_keeps_records_and_logs(
 async def test_a_killed_worker_loses_its_task_and_a_new_worker_appears(
     mode: str, tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
 ) -> None:
-    async with open_cluster(
+    async with open_node_cluster(
         tmp_path / "cluster",
         kube,
-        nodes=[(SimNode("gpu-node-1", 2), "gpu")],
-        pools=[PoolSpec("gpu", tunnel=mode == "tunnel")],
+        2,
+        tunnel=mode == "tunnel",
     ) as cluster:
         with trio.fail_after(90):
             (worker,) = await cluster.wait_workers(1)
@@ -98,11 +97,11 @@ async def test_a_multi_card_task_waits_for_one_worker_with_enough_cards(
 ) -> None:
     # A model server holds 2 of the node's 4 cards: the worker gets the other 2.
     kube.add_pod(make_pod("model-server", "gpu-node-1", gpu_limit=2))
-    async with open_cluster(
+    async with open_node_cluster(
         tmp_path / "cluster",
         kube,
-        nodes=[(SimNode("gpu-node-1", 4), "gpu")],
-        pools=[PoolSpec("gpu", tunnel=mode == "tunnel")],
+        4,
+        tunnel=mode == "tunnel",
         agent_env={"LEVERS9_IDLE_S": "3"},
     ) as cluster:
         with trio.fail_after(120):
@@ -127,14 +126,12 @@ async def test_a_multi_card_task_waits_for_one_worker_with_enough_cards(
 async def test_a_task_past_its_timeout_is_stopped(
     tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
 ) -> None:
-    async with open_cluster(
+    async with open_node_cluster(
         tmp_path / "cluster",
         kube,
-        nodes=[(SimNode("gpu-node-1", 1), "gpu")],
-        pools=[PoolSpec("gpu")],
+        1,
     ) as cluster:
         with trio.fail_after(90):
-            await cluster.wait_workers(1)
             async with cluster.client() as client:
                 task = await client.create_task(
                     TaskRequest(

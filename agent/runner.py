@@ -153,7 +153,7 @@ async def _exit_when_idle(
                     continue
                 log.warning("deregistering failed (%s); winding down anyway", exc.message)
             except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
-                log.warning("deregistering failed (%s); winding down anyway", _reason(exc))
+                log.warning("deregistering failed (%s); winding down anyway", failure_reason(exc))
             log.info("no container for %.0f s: the worker winds down", now - since)
             scope.cancel()
             return
@@ -395,7 +395,7 @@ async def register_loop(config: AgentConfig, registration: Registration) -> None
             delay = next_delay(policy, state, random.random())
             log.warning(
                 "registering with the controlplane failed (%s); retrying in %.1f s",
-                _reason(exc),
+                failure_reason(exc),
                 delay,
             )
             await trio.sleep(delay)
@@ -404,7 +404,7 @@ async def register_loop(config: AgentConfig, registration: Registration) -> None
         await trio.sleep(config.register_interval_s)
 
 
-_TUNNEL_FAILURES = (
+TUNNEL_FAILURES = (
     OSError,
     trio.BrokenResourceError,
     trio.TooSlowError,
@@ -413,14 +413,14 @@ _TUNNEL_FAILURES = (
 )
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+def exception_leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+        out.extend(exception_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return out
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     if isinstance(exc, trio_websocket.ConnectionRejected):
         hint = " (check the worker token)" if exc.status_code in (401, 403) else ""
         return f"the controlplane refused the tunnel with HTTP {exc.status_code}{hint}"
@@ -447,8 +447,8 @@ async def run_tunnel(config: AgentConfig, service: Service) -> None:
             try:
                 with trio.fail_after(tc.handshake_timeout_s):
                     conn: Http2Connection = await nursery.start(serve_tunnel, config, service)
-            except* _TUNNEL_FAILURES as group:
-                failure = "; ".join(_reason(e) for e in _leaves(group))
+            except* TUNNEL_FAILURES as group:
+                failure = "; ".join(failure_reason(e) for e in exception_leaves(group))
             if failure is not None:
                 record_failure(state)
                 delay = next_delay(policy, state, random.random())

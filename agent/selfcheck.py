@@ -8,22 +8,38 @@ status is 1 when any check fails.
 Checks come in sections. A section is one function from a `SelfCheckContext` to checks, listed in
 `SECTIONS`; adding a section is writing that function and listing it. A section that crashes
 becomes a failed check rather than hiding the others.
+
+Sections are plain synchronous functions: the self-check is a short-lived CLI. The one that
+talks to the network (`controlplane_section`) runs its async checks with `trio.run`; those checks
+are also an async function of their own (`controlplane_checks`) so tests drive them against a
+real controlplane in the test's own trio run. Decisions (capabilities, free space, clock skew)
+are pure functions from what was read to a `Check`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import email.utils
 import enum
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
+import trio
+import trio_websocket
 
+from agent import __version__
+from agent.client import ApiClient, open_api_client
+from agent.config import AgentConfig
 from agent.gpus import (
     CONTROL_DEVICES,
     CardState,
@@ -34,7 +50,15 @@ from agent.gpus import (
     discover_node_files,
     read_assignment,
 )
+from agent.models import ApiError
 from agent.runc import checkpoint_support
+from agent.runner import (
+    TUNNEL_FAILURES,
+    exception_leaves,
+    failure_reason,
+    open_controlplane_tls,
+)
+from agent.wsstream import wrap_client
 from nvml import NvmlUnavailableError, Snapshot, open_nvml
 
 
@@ -331,7 +355,486 @@ def containers_section(context: SelfCheckContext) -> list[Check]:
     return checks
 
 
-SECTIONS: tuple[Section, ...] = (gpu_section, containers_section)
+# -- node section ---------------------------------------------------------------------------------
+
+CAP_SYS_ADMIN = 21
+RUNC_TRIAL_TIMEOUT_S = 30.0
+BUSYBOX = Path("/bin/busybox")
+
+
+def cap_eff_from_status(status_text: str) -> int | None:
+    """The effective capability set from /proc/<pid>/status text; None when it has no CapEff."""
+    for line in status_text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "CapEff":
+            try:
+                return int(value.strip(), 16)
+            except ValueError:
+                return None
+    return None
+
+
+def privileges_check(euid: int, cap_eff: int | None) -> Check:
+    """Root and CAP_SYS_ADMIN (mounts, namespaces) are what runc and FUSE need here."""
+    action = "run the worker pod privileged (securityContext.privileged: true; the worker Job does)"
+    if euid != 0:
+        return Check("node", "privileges", Status.FAIL, f"running as uid {euid}, not root", action)
+    if cap_eff is None:
+        return Check(
+            "node", "privileges", Status.WARN, "root, but CapEff is unreadable in /proc", action
+        )
+    if not cap_eff >> CAP_SYS_ADMIN & 1:
+        return Check(
+            "node",
+            "privileges",
+            Status.FAIL,
+            f"root, but CAP_SYS_ADMIN is not in the effective set (CapEff {cap_eff:016x})",
+            action,
+        )
+    return Check("node", "privileges", Status.OK, "root, with CAP_SYS_ADMIN")
+
+
+def _runc_message(output: str) -> str:
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def run_trivial_container(
+    runc: str = "runc", busybox: Path = BUSYBOX, timeout_s: float = RUNC_TRIAL_TIMEOUT_S
+) -> Check:
+    """`runc run` of a bundle whose rootfs holds only a static busybox, running `true`; the
+    bundle and runc's state (a temp --root) are removed afterwards, whatever happened."""
+    name = "runc run"
+    if shutil.which(runc) is None:
+        return Check("node", name, Status.WARN, f"not tried: {runc} is not on PATH", "install runc")
+    if not busybox.is_file():
+        return Check(
+            "node",
+            name,
+            Status.WARN,
+            f"not tried: {busybox} (a static busybox to run) is not here",
+            "install busybox-static in the worker image to let the self-check try a container",
+        )
+    if os.geteuid() != 0:
+        return Check("node", name, Status.WARN, "not tried: needs root (see privileges)")
+    container_id = f"levers9-selfcheck-{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="levers9-selfcheck-") as temp:
+        bundle, root = Path(temp) / "bundle", Path(temp) / "runc-state"
+        (bundle / "rootfs" / "bin").mkdir(parents=True)
+        root.mkdir()
+        shutil.copy2(busybox, bundle / "rootfs" / "bin" / "busybox")
+        base = [runc, "--root", str(root)]
+        try:
+            made = subprocess.run(
+                [runc, "spec", "--bundle", str(bundle)],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+            if made.returncode != 0:
+                return Check(
+                    "node",
+                    name,
+                    Status.FAIL,
+                    f"runc spec failed: {_runc_message(made.stderr + made.stdout)}",
+                    "check the runc binary in the worker image",
+                )
+            spec_path = bundle / "config.json"
+            spec = json.loads(spec_path.read_text())
+            spec["process"]["terminal"] = False
+            spec["process"]["args"] = ["/bin/busybox", "true"]
+            spec["root"] = {"path": "rootfs", "readonly": True}
+            spec_path.write_text(json.dumps(spec))
+            result = subprocess.run(
+                [*base, "run", "--bundle", str(bundle), container_id],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return Check(
+                "node",
+                name,
+                Status.FAIL,
+                f"runc did not run `true` within {timeout_s:.0f} s",
+                "check the node's cgroups and the worker's privileges; try runc by hand",
+            )
+        finally:
+            subprocess.run(
+                [*base, "delete", "--force", container_id],
+                capture_output=True,
+                timeout=timeout_s,
+                check=False,
+            )
+    if result.returncode != 0:
+        return Check(
+            "node",
+            name,
+            Status.FAIL,
+            f"runc could not run a trivial container (exit {result.returncode}): "
+            + _runc_message(result.stderr + result.stdout),
+            "fix what runc says: usually privileges, cgroups or a missing kernel feature",
+        )
+    return Check("node", name, Status.OK, "runc ran a trivial container (busybox true)")
+
+
+def fuse_check(dev_fuse: Path = Path("/dev/fuse")) -> Check:
+    """Volumes mount buckets with FUSE: the device and fusermount3 must both be here."""
+    action = "install fuse3 / mount /dev/fuse into the pod"
+    try:
+        is_char = stat.S_ISCHR(dev_fuse.stat().st_mode)
+    except OSError:
+        return Check("node", "fuse", Status.FAIL, f"{dev_fuse} is missing", action)
+    if not is_char:
+        return Check("node", "fuse", Status.FAIL, f"{dev_fuse} is not a character device", action)
+    fusermount = shutil.which("fusermount3")
+    if fusermount is None:
+        return Check("node", "fuse", Status.FAIL, "fusermount3 is not on PATH", action)
+    return Check("node", "fuse", Status.OK, f"{dev_fuse} is a character device; {fusermount}")
+
+
+def podresources_check(socket_path: Path) -> Check:
+    """The kubelet's PodResources socket says which cards are this pod's."""
+    action = "the agent falls back to NVIDIA_VISIBLE_DEVICES; mount /var/lib/kubelet/pod-resources"
+    try:
+        mode = socket_path.stat().st_mode
+    except OSError:
+        return Check("node", "pod resources", Status.WARN, f"{socket_path} is missing", action)
+    if not stat.S_ISSOCK(mode):
+        return Check("node", "pod resources", Status.WARN, f"{socket_path} is not a socket", action)
+    return Check("node", "pod resources", Status.OK, f"{socket_path} is a socket")
+
+
+def node_section(context: SelfCheckContext) -> list[Check]:
+    """Privileges, a trivial container through runc, FUSE, the kubelet's PodResources socket."""
+    try:
+        status_text = Path("/proc/self/status").read_text()
+    except OSError:
+        status_text = ""
+    return [
+        privileges_check(os.geteuid(), cap_eff_from_status(status_text)),
+        run_trivial_container(),
+        fuse_check(),
+        podresources_check(GpuConfig.from_environ(context.environ).podresources_socket),
+    ]
+
+
+# -- objects section ------------------------------------------------------------------------------
+
+
+def _env_bytes(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name) or ""
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        return default
+
+
+def free_space_check(
+    state_dir: Path, free_bytes: int, budget_bytes: int, floor_bytes: int
+) -> Check:
+    """Objects may fill the budget and the node must keep its floor free: warn when the disk
+    has less free than both together."""
+    wanted = budget_bytes + floor_bytes
+    free = f"{free_bytes / 2**30:.1f} GiB free on {state_dir}'s filesystem"
+    if free_bytes < wanted:
+        return Check(
+            "objects",
+            "free space",
+            Status.WARN,
+            f"{free}; the budget asks {budget_bytes / 2**30:.1f} GiB for objects plus a "
+            f"{floor_bytes / 2**30:.1f} GiB free floor",
+            "give the state directory a bigger disk, or lower LEVERS9_OBJECT_BUDGET_BYTES / "
+            "LEVERS9_FREE_FLOOR_BYTES",
+        )
+    return Check(
+        "objects",
+        "free space",
+        Status.OK,
+        f"{free}, enough for the {wanted / 2**30:.1f} GiB budget and floor",
+    )
+
+
+def _probe_writable(state_dir: Path) -> str | None:
+    """Create the directory if need be, write, fsync and remove a probe file in it; None when
+    that worked, else why not. Directories created only for the probe are removed again."""
+    created: Path | None = None
+    if not state_dir.exists():
+        created = state_dir
+        while not created.parent.exists():
+            created = created.parent
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        probe = state_dir / f".levers9-selfcheck-{os.getpid()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"levers9 self-check\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+    return None
+
+
+def objects_section(context: SelfCheckContext) -> list[Check]:
+    """The state directory (objects live under it) can be written, and has room for the budget."""
+    environ = context.environ
+    state_dir = Path(environ.get("LEVERS9_STATE_DIR") or "/var/lib/levers9")
+    why = _probe_writable(state_dir)
+    if why is not None:
+        return [
+            Check(
+                "objects",
+                "objects dir",
+                Status.FAIL,
+                f"{state_dir} cannot be created or written: {why}",
+                "mount a writable node-local hostPath there (the worker Job does) or point "
+                "LEVERS9_STATE_DIR at one",
+            )
+        ]
+    existing = state_dir
+    while not existing.exists():
+        existing = existing.parent
+    return [
+        Check("objects", "objects dir", Status.OK, f"{state_dir} is writable (probe file fsynced)"),
+        free_space_check(
+            state_dir,
+            shutil.disk_usage(existing).free,
+            _env_bytes(environ, "LEVERS9_OBJECT_BUDGET_BYTES", 50 << 30),
+            _env_bytes(environ, "LEVERS9_FREE_FLOOR_BYTES", 5 << 30),
+        ),
+    ]
+
+
+# -- controlplane section -------------------------------------------------------------------------
+
+CONTROLPLANE_TIMEOUT_S = 10.0
+MAX_CLOCK_SKEW_S = 60.0
+_NETWORK_FAILURES = (*TUNNEL_FAILURES, ApiError)
+
+
+def clock_skew_check(date_header: str | None, now: datetime.datetime) -> Check:
+    """Compare the controlplane's HTTP Date with our clock (Date has whole seconds)."""
+    if not date_header:
+        return Check(
+            "controlplane",
+            "clock skew",
+            Status.WARN,
+            "the controlplane sends no Date header; skew not checked",
+            "compare `date -u` here and on the controlplane by hand",
+        )
+    try:
+        theirs = email.utils.parsedate_to_datetime(date_header)
+    except (TypeError, ValueError):
+        return Check(
+            "controlplane",
+            "clock skew",
+            Status.WARN,
+            f"the controlplane's Date header {date_header!r} does not parse; skew not checked",
+        )
+    if theirs.tzinfo is None:
+        theirs = theirs.replace(tzinfo=datetime.UTC)
+    skew = (now - theirs).total_seconds()
+    if abs(skew) > MAX_CLOCK_SKEW_S:
+        return Check(
+            "controlplane",
+            "clock skew",
+            Status.WARN,
+            f"this node's clock is {skew:+.0f} s off the controlplane's",
+            "sync the node's clock (NTP/chrony); certificates and logs depend on it",
+        )
+    return Check("controlplane", "clock skew", Status.OK, f"within {MAX_CLOCK_SKEW_S:.0f} s")
+
+
+def _describe(group: BaseExceptionGroup[BaseException]) -> str:
+    reasons = []
+    for exc in exception_leaves(group):
+        cause = exc.__cause__
+        reasons.append(failure_reason(cause if cause is not None else exc))
+    return "; ".join(reasons)
+
+
+async def _tunnel_check(config: AgentConfig) -> Check:
+    tls = await open_controlplane_tls(config, ("http/1.1",))
+    rejected: int | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                ws = await wrap_client(
+                    nursery,
+                    tls,
+                    config.controlplane_host,
+                    f"/v1/workers/{config.worker_id}/tunnel",
+                    headers=[
+                        (b"authorization", f"Bearer {config.token}".encode()),
+                        (b"x-levers9-version", __version__.encode()),
+                    ],
+                )
+            except trio_websocket.ConnectionRejected as exc:
+                rejected = exc.status_code
+            else:
+                await ws.aclose()
+            nursery.cancel_scope.cancel()
+    finally:
+        await tls.aclose()
+    if rejected is not None:
+        return _rejected_check(config, rejected)
+    return Check("controlplane", "tunnel", Status.OK, "tunnel handshake accepted")
+
+
+def _rejected_check(config: AgentConfig, rejected: int | None) -> Check:
+    if rejected in (401, 403):
+        return Check(
+            "controlplane",
+            "tunnel",
+            Status.FAIL,
+            f"the controlplane refused the worker token for {config.worker_id} (HTTP {rejected})",
+            "check LEVERS9_WORKER_ID and the worker token Secret against the controlplane's "
+            "worker tokens",
+        )
+    return Check(
+        "controlplane",
+        "tunnel",
+        Status.FAIL,
+        f"the controlplane refused the tunnel with HTTP {rejected}",
+        "check the controlplane's logs for this worker",
+    )
+
+
+async def controlplane_checks(environ: Mapping[str, str]) -> list[Check]:
+    """Reach the controlplane with TLS verified against LEVERS9_CONTROLPLANE_CA, compare
+    clocks, and in tunnel mode try the tunnel's WebSocket handshake with the worker token."""
+    url = environ.get("LEVERS9_CONTROLPLANE_URL") or ""
+    if not url:
+        return [
+            Check(
+                "controlplane",
+                "reachable",
+                Status.WARN,
+                "not checked: LEVERS9_CONTROLPLANE_URL is not set",
+                "run the self-check with the worker's environment",
+            )
+        ]
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "https" or not parts.hostname:
+        return [
+            Check(
+                "controlplane",
+                "reachable",
+                Status.FAIL,
+                f"LEVERS9_CONTROLPLANE_URL {url!r} is not an https:// URL with a host",
+                "set LEVERS9_CONTROLPLANE_URL to the controlplane's public https URL",
+            )
+        ]
+    ca_file = environ.get("LEVERS9_CONTROLPLANE_CA") or None
+    if ca_file is not None and not await trio.Path(ca_file).is_file():
+        return [
+            Check(
+                "controlplane",
+                "reachable",
+                Status.FAIL,
+                f"LEVERS9_CONTROLPLANE_CA names {ca_file!r}, which is not a file",
+                "mount the controlplane's CA there, or unset it to use the system's CAs",
+            )
+        ]
+    token = environ.get("LEVERS9_WORKER_TOKEN") or ""
+    config = AgentConfig(
+        worker_id=environ.get("LEVERS9_WORKER_ID") or "",
+        token=token,
+        mode=environ.get("LEVERS9_MODE") or "direct",
+        controlplane_url=url.rstrip("/"),
+        controlplane_ca_file=ca_file,
+    )
+    checks: list[Check] = []
+    date: str | None = None
+    failure: str | None = None
+    try:
+        with trio.fail_after(CONTROLPLANE_TIMEOUT_S):
+            tls = await open_controlplane_tls(config, ("h2",))
+            async with open_api_client(
+                tls, ApiClient, token=token or "self-check", authority=config.controlplane_host
+            ) as client:
+                response = await client.open("GET", "/v1/health")
+                date = response.headers.get("date")
+                await response.aclose()
+    except* _NETWORK_FAILURES as group:
+        failure = _describe(group)
+    if failure is not None:
+        return [
+            Check(
+                "controlplane",
+                "reachable",
+                Status.FAIL,
+                f"{config.controlplane_url}: TLS/connect failed: {failure}",
+                "check the URL, the CA (LEVERS9_CONTROLPLANE_CA) and egress from this pod",
+            )
+        ]
+    checks.append(
+        Check(
+            "controlplane",
+            "reachable",
+            Status.OK,
+            f"{config.controlplane_url} answers over TLS, its certificate verified",
+        )
+    )
+    checks.append(clock_skew_check(date, datetime.datetime.now(datetime.UTC)))
+    if config.mode != "tunnel":
+        return checks
+    if not token or not config.worker_id:
+        checks.append(
+            Check(
+                "controlplane",
+                "tunnel",
+                Status.WARN,
+                "not checked: LEVERS9_WORKER_ID or LEVERS9_WORKER_TOKEN is not set",
+                "run the self-check with the worker's environment",
+            )
+        )
+        return checks
+    tunnel: Check | None = None
+    try:
+        with trio.fail_after(CONTROLPLANE_TIMEOUT_S):
+            tunnel = await _tunnel_check(config)
+    except* trio_websocket.ConnectionRejected as group:
+        # The rejection may surface from the WebSocket's reader task rather than the handshake.
+        rejected = exception_leaves(group)[0]
+        assert isinstance(rejected, trio_websocket.ConnectionRejected)
+        tunnel = _rejected_check(config, rejected.status_code)
+    except* _NETWORK_FAILURES as group:
+        failure = _describe(group)
+    checks.append(
+        tunnel
+        or Check(
+            "controlplane",
+            "tunnel",
+            Status.FAIL,
+            f"the tunnel handshake to {config.controlplane_url} failed: {failure}",
+            "check the URL, the CA and that a proxy on the way passes WebSocket upgrades",
+        )
+    )
+    return checks
+
+
+def controlplane_section(context: SelfCheckContext) -> list[Check]:
+    """`controlplane_checks` in a trio run of its own."""
+    return trio.run(controlplane_checks, context.environ)
+
+
+SECTIONS: tuple[Section, ...] = (
+    gpu_section,
+    containers_section,
+    node_section,
+    objects_section,
+    controlplane_section,
+)
 
 
 # -- running and showing --------------------------------------------------------------------------
@@ -401,7 +904,7 @@ def main_self_check(argv: list[str]) -> int:
     """`levers9-agent self-check [--json]`: 0 when no check fails, 1 otherwise."""
     parser = argparse.ArgumentParser(
         prog="levers9-agent self-check",
-        description="Check that this worker can use the node: GPUs, driver, device nodes.",
+        description="Check that this worker can use the node and reach the controlplane.",
     )
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = parser.parse_args(argv)

@@ -1,26 +1,40 @@
-"""`levers9-agent self-check`: what an operator sees about the worker's GPUs."""
+"""`levers9-agent self-check`: what an operator sees about the worker's GPUs, node, objects
+directory and controlplane."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import trio
 
 from agent.selfcheck import (
+    BUSYBOX,
     Check,
     SelfCheckContext,
     Status,
+    cap_eff_from_status,
+    clock_skew_check,
     containers_section,
+    controlplane_checks,
+    free_space_check,
     gpu_section,
     main_self_check,
+    objects_section,
+    privileges_check,
     render_json,
     render_table,
     run_checks,
+    run_trivial_container,
 )
+from control.server import Controlplane, serve_controlplane
 from nvml.standin import StandinNode, StandinProcess, nvlinked_node, write_node
+from tests.workers import WORKER_TOKENS, make_pki
+from tests.workers import control_config as make_control_config
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import DescribeNode, MakeDevDir, RunPython
@@ -37,6 +51,7 @@ def node_environ(make_dev_dir: MakeDevDir, driver_dir: Path, tmp_path: Path) -> 
         "LEVERS9_GPU_CDI_DIRS": "",
         "LEVERS9_PODRESOURCES_SOCKET": str(tmp_path / "no-kubelet.sock"),
         "NVIDIA_VISIBLE_DEVICES": "all",
+        "LEVERS9_STATE_DIR": str(tmp_path / "state"),
     }
 
 
@@ -53,7 +68,13 @@ def test_self_check_end_to_end_on_a_healthy_node(
     report = json.loads(result.stdout)
     assert report["ok"] is True
     checks = by_name(report)
-    assert {c["section"] for c in report["checks"]} == {"gpu", "containers"}
+    assert {c["section"] for c in report["checks"]} == {
+        "gpu",
+        "containers",
+        "node",
+        "objects",
+        "controlplane",
+    }
     assert checks["nvml"]["status"] == "ok"
     assert checks["driver"]["reason"] == "driver 550.54.15, CUDA 12.4"
     assert checks["card 0"]["status"] == checks["card 1"]["status"] == "ok"
@@ -172,3 +193,134 @@ def test_main_self_check_exit_status(
     monkeypatch.setenv("LEVERS9_GPU_CDI_DIRS", "")
     assert main_self_check(["--json"]) == 1
     assert json.loads(capsys.readouterr().out)["ok"] is False
+
+
+# -- node ------------------------------------------------------------------------------------------
+
+ROOT_STATUS = "Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n"
+
+
+def test_cap_sys_admin_is_read_from_capeff() -> None:
+    assert cap_eff_from_status(ROOT_STATUS) == 0x1FFFFFFFFFF
+    assert cap_eff_from_status("Name:\tx\n") is None
+    assert privileges_check(0, cap_eff_from_status(ROOT_STATUS)).status is Status.OK
+    without_sys_admin = privileges_check(0, 0x1FFFFFFFFFF & ~(1 << 21))
+    assert without_sys_admin.status is Status.FAIL
+    assert "CAP_SYS_ADMIN" in without_sys_admin.reason
+    assert "privileged" in without_sys_admin.action
+    not_root = privileges_check(1000, 0)
+    assert not_root.status is Status.FAIL
+    assert "uid 1000" in not_root.reason
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runc needs root (CI runs as root)")
+@pytest.mark.skipif(not BUSYBOX.is_file(), reason="needs Debian's busybox-static")
+def test_runc_runs_a_trivial_container_and_leaves_nothing_behind() -> None:
+    before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("levers9-selfcheck-*"))
+    check = run_trivial_container()
+    assert check.status is Status.OK, check
+    assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob("levers9-selfcheck-*")) == before
+
+
+def test_without_busybox_the_container_trial_is_a_warning(tmp_path: Path) -> None:
+    check = run_trivial_container(busybox=tmp_path / "no-busybox")
+    assert check.status is Status.WARN
+    assert "not tried" in check.reason
+
+
+# -- objects ---------------------------------------------------------------------------------------
+
+
+def test_free_space_below_budget_and_floor_warns_saying_how_much() -> None:
+    gib = 1 << 30
+    low = free_space_check(Path("/state"), 20 * gib, 50 * gib, 5 * gib)
+    assert low.status is Status.WARN
+    assert "20.0 GiB free" in low.reason
+    assert "50.0 GiB" in low.reason and "5.0 GiB" in low.reason
+    assert "LEVERS9_OBJECT_BUDGET_BYTES" in low.action
+    assert free_space_check(Path("/state"), 60 * gib, 50 * gib, 5 * gib).status is Status.OK
+
+
+def test_a_writable_objects_dir_is_created_for_the_probe_and_left_as_found(tmp_path: Path) -> None:
+    state = tmp_path / "new" / "state"
+    checks = {
+        c.name: c for c in objects_section(SelfCheckContext({"LEVERS9_STATE_DIR": str(state)}))
+    }
+    assert checks["objects dir"].status is Status.OK
+    assert checks["free space"].status in (Status.OK, Status.WARN)
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_objects_dir_that_cannot_be_written_fails(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    context = SelfCheckContext({"LEVERS9_STATE_DIR": str(tmp_path / "a-file")})
+    checks = {c.name: c for c in objects_section(context)}
+    assert checks["objects dir"].status is Status.FAIL
+    assert str(tmp_path / "a-file") in checks["objects dir"].reason
+    assert "LEVERS9_STATE_DIR" in checks["objects dir"].action
+
+
+# -- controlplane ----------------------------------------------------------------------------------
+
+
+def test_clock_skew_from_the_date_header() -> None:
+    now = datetime.datetime(2024, 5, 1, 12, 0, 0, tzinfo=datetime.UTC)
+    assert clock_skew_check("Wed, 01 May 2024 12:00:03 GMT", now).status is Status.OK
+    off = clock_skew_check("Wed, 01 May 2024 11:55:00 GMT", now)
+    assert off.status is Status.WARN
+    assert "+300 s" in off.reason
+    missing = clock_skew_check(None, now)
+    assert missing.status is Status.WARN
+    assert "no Date header" in missing.reason
+
+
+async def test_an_unset_controlplane_url_is_a_warning() -> None:
+    [check] = await controlplane_checks({})
+    assert check.status is Status.WARN
+    assert "not checked" in check.reason
+
+
+async def _controlplane_environ(tmp_path: Path, nursery: trio.Nursery) -> dict[str, str]:
+    pki = make_pki(tmp_path)
+    control: Controlplane = await nursery.start(serve_controlplane, make_control_config(pki))
+    return {
+        "LEVERS9_CONTROLPLANE_URL": f"https://127.0.0.1:{control.port}",
+        "LEVERS9_CONTROLPLANE_CA": str(pki.ca_file),
+        "LEVERS9_MODE": "tunnel",
+        "LEVERS9_WORKER_ID": "w-tunnel",
+        "LEVERS9_WORKER_TOKEN": WORKER_TOKENS["w-tunnel"],
+    }
+
+
+async def test_a_reachable_controlplane_accepts_the_tunnel_handshake(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    environ = await _controlplane_environ(tmp_path, nursery)
+    checks = {c.name: c for c in await controlplane_checks(environ)}
+    assert checks["reachable"].status is Status.OK, checks["reachable"]
+    assert checks["clock skew"].status in (Status.OK, Status.WARN)
+    assert checks["tunnel"].status is Status.OK, checks["tunnel"]
+    assert checks["tunnel"].reason == "tunnel handshake accepted"
+
+
+async def test_a_wrong_ca_fails_naming_tls(tmp_path: Path, nursery: trio.Nursery) -> None:
+    environ = await _controlplane_environ(tmp_path, nursery)
+    (tmp_path / "other").mkdir()
+    environ["LEVERS9_CONTROLPLANE_CA"] = str(make_pki(tmp_path / "other").ca_file)
+    [check] = await controlplane_checks(environ)
+    assert check.status is Status.FAIL
+    assert environ["LEVERS9_CONTROLPLANE_URL"] in check.reason
+    assert "TLS" in check.reason and "certificate" in check.reason
+    assert "CA" in check.action
+
+
+async def test_a_wrong_worker_token_fails_the_tunnel_without_showing_it(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    environ = await _controlplane_environ(tmp_path, nursery)
+    environ["LEVERS9_WORKER_TOKEN"] = "wrong-token-0123456789"
+    checks = {c.name: c for c in await controlplane_checks(environ)}
+    assert checks["reachable"].status is Status.OK
+    assert checks["tunnel"].status is Status.FAIL
+    assert "refused the worker token" in checks["tunnel"].reason
+    assert all("wrong-token" not in c.reason + c.action for c in checks.values())

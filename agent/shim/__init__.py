@@ -32,15 +32,23 @@ def default_cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "levers9"
 
 
+PREBUILT_ENV = "LEVERS9_SHIM_BINARY"
+"""Names a shim built ahead of time (the worker image's, which carries no compiler)."""
+
+
 def shim_path(cache_dir: Path | None = None) -> Path:
-    """The path of the built shim, compiling it first if this source was not built yet.
+    """The path of the built shim, compiling it first if this source was not built yet, or
+    the prebuilt one `LEVERS9_SHIM_BINARY` names, installed into the cache the same way.
 
     Blocks while gcc runs (about a second, once per source); trio callers run it in a thread.
     """
+    directory = cache_dir if cache_dir is not None else default_cache_dir()
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt:
+        return _install_prebuilt(Path(prebuilt), directory)
     compiler = os.environ.get("CC") or shutil.which("gcc")
     if not compiler:
         raise ShimBuildError("gcc was not found: install it (make deps does, on Debian)")
-    directory = cache_dir if cache_dir is not None else default_cache_dir()
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update("\0".join((compiler, *_CFLAGS)).encode())
@@ -58,5 +66,26 @@ def shim_path(cache_dir: Path | None = None) -> Path:
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
         raise ShimBuildError(f"gcc could not build the container shim:\n{result.stderr}")
+    os.replace(partial, target)
+    return target
+
+
+def _install_prebuilt(binary: Path, directory: Path) -> Path:
+    """Copy the prebuilt shim into the cache under the hash of its bytes (renamed into place,
+    as a build is), so containers keep running from their own copy across image updates."""
+    try:
+        content = binary.read_bytes()
+    except OSError as exc:
+        raise ShimBuildError(
+            f"{PREBUILT_ENV} names {binary}, which cannot be read ({exc.strerror}); point it at "
+            "the shim the image built, or unset it to build one with gcc"
+        ) from None
+    target = directory / f"{BINARY_PREFIX}-{hashlib.sha256(content).hexdigest()[:16]}"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    partial = directory / f".{target.name}.{os.getpid()}"
+    partial.write_bytes(content)
+    partial.chmod(0o755)
     os.replace(partial, target)
     return target

@@ -481,6 +481,23 @@ async def _drain(conn: Http2Connection, drain_s: float) -> None:
     await conn.aclose()
 
 
+async def upgrade_to_tunnel(
+    config: AgentConfig, nursery: trio.Nursery, tls: TLSStream
+) -> trio_websocket.WebSocketConnection:
+    """The tunnel's WebSocket upgrade on `tls`, presenting the worker token (the agent's own
+    tunnel and the self-check's handshake both open it here); its reader runs in `nursery`."""
+    return await wrap_client(
+        nursery,
+        tls,
+        config.controlplane_host,
+        f"/v1/workers/{config.worker_id}/tunnel",
+        headers=[
+            (b"authorization", f"Bearer {config.token}".encode()),
+            (b"x-levers9-version", __version__.encode()),
+        ],
+    )
+
+
 async def serve_tunnel(
     config: AgentConfig,
     service: Service,
@@ -489,19 +506,9 @@ async def serve_tunnel(
 ) -> None:
     """Dial the controlplane, upgrade to WebSocket, then serve HTTP/2 inside it."""
     tls = await open_controlplane_tls(config, ("http/1.1",))
-    resource = f"/v1/workers/{config.worker_id}/tunnel"
     async with trio.open_nursery() as ws_nursery:
         try:
-            ws = await wrap_client(
-                ws_nursery,
-                tls,
-                config.controlplane_host,
-                resource,
-                headers=[
-                    (b"authorization", f"Bearer {config.token}".encode()),
-                    (b"x-levers9-version", __version__.encode()),
-                ],
-            )
+            ws = await upgrade_to_tunnel(config, ws_nursery, tls)
         except trio_websocket.ConnectionRejected as exc:
             await tls.aclose()
             raise TunnelRejected(

@@ -37,7 +37,6 @@ import attrs
 import trio
 import trio_websocket
 
-from agent import __version__
 from agent.client import ApiClient, open_api_client
 from agent.config import AgentConfig
 from agent.gpus import (
@@ -57,8 +56,8 @@ from agent.runner import (
     exception_leaves,
     failure_reason,
     open_controlplane_tls,
+    upgrade_to_tunnel,
 )
-from agent.wsstream import wrap_client
 from nvml import NvmlUnavailableError, Snapshot, open_nvml
 
 
@@ -668,16 +667,7 @@ async def _tunnel_check(config: AgentConfig) -> Check:
     try:
         async with trio.open_nursery() as nursery:
             try:
-                ws = await wrap_client(
-                    nursery,
-                    tls,
-                    config.controlplane_host,
-                    f"/v1/workers/{config.worker_id}/tunnel",
-                    headers=[
-                        (b"authorization", f"Bearer {config.token}".encode()),
-                        (b"x-levers9-version", __version__.encode()),
-                    ],
-                )
+                ws = await upgrade_to_tunnel(config, nursery, tls)
             except trio_websocket.ConnectionRejected as exc:
                 rejected = exc.status_code
             else:

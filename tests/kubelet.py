@@ -30,7 +30,6 @@ import binascii
 import logging
 import os
 import secrets
-import stat
 import subprocess
 import sys
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -42,7 +41,14 @@ import attrs
 import trio
 
 from control.reconcile import TERMINAL_PHASES, pod_request
-from nvml.standin import build_standin, nvlinked_node, standin_device, standin_environ, write_node
+from nvml.standin import (
+    build_standin,
+    make_device_nodes,
+    nvlinked_node,
+    standin_device,
+    standin_environ,
+    write_node,
+)
 from tests.kube_standin import KubeError, KubeStandin, Obj, job_node, make_node
 
 log = logging.getLogger("levers9.tests.kubelet")
@@ -54,8 +60,6 @@ GRACE_S = 30.0
 """How long an agent has between SIGTERM and SIGKILL when its pod does not say
 (`terminationGracePeriodSeconds`, whose default this is, as in Kubernetes)."""
 HOSTNAME_LABEL = "kubernetes.io/hostname"
-NVIDIA_MAJOR = 195
-UVM_MAJOR = 509
 MAX_NODES = 8
 """Each node gets a /20 of 169.254.128.0/17 for its container network; eight of them fit."""
 HOST_IP = "127.0.0.1"
@@ -367,24 +371,15 @@ class _Node:
         }
 
 
-def make_device_nodes(dev: Path, minors: Iterable[int]) -> Path:
-    """A /dev-like directory with character devices for the cards `minors` and the driver's
-    control nodes, as the NVIDIA driver creates them. Needs root (mknod)."""
-    dev.mkdir(parents=True, exist_ok=True)
-    nodes = {f"nvidia{m}": (NVIDIA_MAJOR, m) for m in minors}
-    nodes.update({"nvidiactl": (NVIDIA_MAJOR, 255), "nvidia-modeset": (NVIDIA_MAJOR, 254)})
-    nodes.update({"nvidia-uvm": (UVM_MAJOR, 0), "nvidia-uvm-tools": (UVM_MAJOR, 1)})
-    for name, (major, minor) in nodes.items():
-        if (dev / name).exists():
-            continue
-        try:
-            os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
-        except PermissionError:
-            raise KubeletSetupError(
-                f"cannot create device node {dev / name}: the simulated kubelet needs root "
-                "(mknod); run the test as root or skip it"
-            ) from None
-    return dev
+def node_devices(dev: Path, minors: Iterable[int]) -> Path:
+    """The node's /dev: the stand-in's device nodes, or why the kubelet cannot make them."""
+    try:
+        return make_device_nodes(dev, minors)
+    except PermissionError:
+        raise KubeletSetupError(
+            f"cannot create device nodes in {dev}: the simulated kubelet needs root (mknod); "
+            "run the test as root or skip it"
+        ) from None
 
 
 def make_driver_dir(driver: Path) -> Path:
@@ -564,7 +559,7 @@ class SimulatedKubelet:
                 spec=spec,
                 index=index,
                 description=write_node(base / "nvml.json", nvlinked_node(spec.cards)),
-                dev_dir=make_device_nodes(base / "dev", range(spec.cards)),
+                dev_dir=node_devices(base / "dev", range(spec.cards)),
                 driver_dir=make_driver_dir(base / "driver"),
                 state_dir=base / "state",
                 # No kubelet socket: the agent reads NVIDIA_VISIBLE_DEVICES, as on EKS.

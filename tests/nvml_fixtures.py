@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes.util
 import os
-import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -28,12 +27,12 @@ from nvml.standin import (
     StandinNode,
     build_standin,
     load_in_process,
+    make_device_nodes,
     standin_environ,
     write_node,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-UVM_MAJOR = 509
 
 DescribeNode = Callable[[StandinNode | Mapping[str, Any]], Path]
 MakeDevDir = Callable[[Iterable[int]], Path]
@@ -79,19 +78,10 @@ def make_dev_dir(tmp_path: Path) -> MakeDevDir:
     the driver's control nodes. Needs root (mknod); skips saying so otherwise."""
 
     def make(minors: Iterable[int]) -> Path:
-        dev = tmp_path / "dev"
-        dev.mkdir(exist_ok=True)
-        nodes = {f"nvidia{m}": (195, m) for m in minors}
-        nodes.update({"nvidiactl": (195, 255), "nvidia-modeset": (195, 254)})
-        nodes.update({"nvidia-uvm": (UVM_MAJOR, 0), "nvidia-uvm-tools": (UVM_MAJOR, 1)})
-        for name, (major, minor) in nodes.items():
-            if (dev / name).exists():
-                continue
-            try:
-                os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
-            except PermissionError:
-                pytest.skip(reason="needs root: creates device nodes with mknod")
-        return dev
+        try:
+            return make_device_nodes(tmp_path / "dev", minors)
+        except PermissionError:
+            pytest.skip(reason="needs root: creates device nodes with mknod")
 
     return make
 

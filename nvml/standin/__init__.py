@@ -24,9 +24,10 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,26 @@ class StandinNode:
         if self.init_error:
             description["init_error"] = self.init_error
         return description
+
+
+NVIDIA_MAJOR = 195
+UVM_MAJOR = 509
+"""Device numbers as the NVIDIA driver registers them (`nvidia-uvm`'s is dynamic; 509 is a
+typical value and only its presence matters to the agent)."""
+
+
+def make_device_nodes(dev: Path, minors: Iterable[int]) -> Path:
+    """A /dev-like directory with character devices for the cards `minors` and the driver's
+    control nodes, as the NVIDIA driver creates them, for a node described to the stand-in.
+    Needs root (mknod): PermissionError otherwise."""
+    dev.mkdir(parents=True, exist_ok=True)
+    nodes = {f"nvidia{m}": (NVIDIA_MAJOR, m) for m in minors}
+    nodes.update({"nvidiactl": (NVIDIA_MAJOR, 255), "nvidia-modeset": (NVIDIA_MAJOR, 254)})
+    nodes.update({"nvidia-uvm": (UVM_MAJOR, 0), "nvidia-uvm-tools": (UVM_MAJOR, 1)})
+    for name, (major, minor) in nodes.items():
+        if not (dev / name).exists():
+            os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+    return dev
 
 
 def write_node(path: Path, node: StandinNode | Mapping[str, Any]) -> Path:

@@ -616,6 +616,147 @@ async def machine_list(args: argparse.Namespace) -> None:
             print(f"pool {pool['pool']}: last pass failed: {pool['error']}", file=sys.stderr)
 
 
+# -- clusters ------------------------------------------------------------------------------------
+
+_POOL_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def parse_selector(items: Sequence[str]) -> dict[str, Any]:
+    """`--selector key=value` (a label) or `--selector key` (the label exists) → the pool
+    block's selector."""
+    labels: dict[str, str] = {}
+    exists: list[dict[str, str]] = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not key or "," in item:
+            raise UsageError(f"--selector {item!r} must be KEY=VALUE or KEY (one label each)")
+        if eq:
+            labels[key] = value
+        else:
+            exists.append({"key": key, "operator": "Exists"})
+    selector: dict[str, Any] = dict(labels)
+    if exists:
+        selector["matchExpressions"] = exists
+    return selector
+
+
+def _join_checks(args: argparse.Namespace) -> None:
+    if not _POOL_NAME.fullmatch(args.name):
+        raise UsageError(
+            f"pool name {args.name!r} must be a DNS label (lowercase letters, digits, '-')"
+        )
+    if not _POOL_NAME.fullmatch(args.namespace):
+        raise UsageError(f"--namespace {args.namespace!r} must be a DNS label")
+    if not args.host_network and not args.tunnel:
+        raise UsageError(
+            "--no-host-network needs --tunnel: nothing outside the cluster can dial a pod address"
+        )
+    if args.endpoint is not None and not args.endpoint.startswith("https://"):
+        raise UsageError(f"--endpoint must be an https:// URL, not {args.endpoint!r}")
+
+
+async def cluster_join(args: argparse.Namespace) -> None:
+    from control.join import JoinError, open_cluster_side, pool_block
+
+    _join_checks(args)
+    selector = parse_selector(args.selector)
+    async with _client(args) as client:
+        # The operator token and the name are checked before the cluster is touched.
+        known = await _timed(client.pools())
+        if not known.joined_pools:
+            raise CliError(
+                "this controlplane keeps no joined pools: set config.joinedPools (the Helm "
+                "chart does by default), or add the pool's block to config.worker.pools"
+            )
+        for view in known.pools:
+            if view.name == args.name and view.source == "config":
+                raise CliError(
+                    f"pool {args.name} comes from config.worker.pools; join under another name"
+                )
+        try:
+            side = await trio.to_thread.run_sync(open_cluster_side, args.kubeconfig, args.context)
+            try:
+                joined = await trio.to_thread.run_sync(side.apply, args.namespace)
+            finally:
+                side.close()
+        except JoinError as exc:
+            raise CliError(str(exc)) from None
+        for step in joined.steps:
+            print(step, file=sys.stderr)
+        block = pool_block(
+            name=args.name,
+            flavor=args.flavor,
+            endpoint=args.endpoint or joined.endpoint,
+            ca_pem=joined.ca_pem,
+            token=joined.token,
+            namespace=args.namespace,
+            selector=selector,
+            tunnel=args.tunnel,
+            host_network=args.host_network,
+            image=args.image,
+            driver_path=args.driver_path,
+        )
+        view = await _timed(client.put_pool(args.name, block))
+    if args.json:
+        print(json.dumps(models.unstructure(view), indent=2))
+        return
+    print(
+        f"pool {view.name} joined: {view.endpoint}, namespace {view.namespace}, "
+        f"selector {view.selector or '(every node with cards)'}"
+        f"{', tunnel' if view.tunnel else ''}"
+    )
+    print("its nodes show up in 'levers9 machine list' within a reconcile (about 15 s)")
+
+
+async def cluster_list(args: argparse.Namespace) -> None:
+    async with _client(args) as client:
+        listing = await _timed(client.pools())
+    if args.json:
+        print(json.dumps(models.unstructure(listing)["pools"], indent=2))
+        return
+    rows = [
+        [
+            v.name,
+            v.source,
+            v.flavor,
+            v.endpoint,
+            v.namespace,
+            "tunnel" if v.tunnel else "direct",
+            str(v.machines),
+            v.error or "-",
+        ]
+        for v in listing.pools
+    ]
+    print(
+        _table(
+            ["POOL", "SOURCE", "FLAVOR", "ENDPOINT", "NAMESPACE", "MODE", "MACHINES", "ERROR"],
+            rows,
+        )
+    )
+
+
+async def cluster_leave(args: argparse.Namespace) -> None:
+    from control.join import JoinError, open_cluster_side
+
+    async with _client(args) as client:
+        view = await _timed(client.delete_pool(args.name))
+    print(f"pool {view.name} left: its workers were removed", file=sys.stderr)
+    if args.keep_access:
+        return
+    try:
+        side = await trio.to_thread.run_sync(open_cluster_side, args.kubeconfig, args.context)
+        try:
+            steps = await trio.to_thread.run_sync(
+                lambda: side.remove(view.namespace, delete_namespace=args.delete_namespace)
+            )
+        finally:
+            side.close()
+    except JoinError as exc:
+        raise CliError(str(exc)) from None
+    for step in steps:
+        print(step, file=sys.stderr)
+
+
 # -- tasks ---------------------------------------------------------------------------------------
 
 
@@ -1061,6 +1202,64 @@ def build_parser() -> argparse.ArgumentParser:
     mls = msub.add_parser("list", help="list machines with their free cards, CPU and memory")
     mls.add_argument("--json", action="store_true")
     mls.set_defaults(func=machine_list)
+
+    cluster = sub.add_parser("cluster", help="clusters whose nodes are pools (operator token)")
+    csub = cluster.add_subparsers(dest="action", required=True, metavar="ACTION")
+    join = csub.add_parser(
+        "join",
+        help="attach the cluster of your kubeconfig context as a pool, with no key file",
+        description="With your kubeconfig's identity: create the namespace, a ServiceAccount "
+        "with least-privilege RBAC and a token on that cluster, then register the pool with "
+        "the controlplane. Safe to rerun.",
+    )
+    join.add_argument("name", metavar="POOL", help="the pool's name (a DNS label)")
+    join.add_argument("--image", required=True, help="the worker image the Jobs run")
+    join.add_argument("--context", help="kubeconfig context (default: the current one)")
+    join.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"
+    )
+    join.add_argument("--namespace", default="levers9", help="namespace of the worker Jobs")
+    join.add_argument(
+        "--selector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE|KEY",
+        help="node label the pool's nodes carry (repeatable); default: every node with cards",
+    )
+    join.add_argument("--flavor", choices=["gke", "eks", "generic"], default="generic")
+    join.add_argument(
+        "--endpoint",
+        help="the API server URL the controlplane should use (default: your kubeconfig's)",
+    )
+    join.add_argument("--tunnel", action="store_true", help="workers dial out; nothing inbound")
+    join.add_argument(
+        "--host-network",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers use the node's network (--no-host-network needs --tunnel)",
+    )
+    join.add_argument("--driver-path", help="the NVIDIA driver dir on the nodes")
+    join.add_argument("--json", action="store_true")
+    join.set_defaults(func=cluster_join)
+    clist = csub.add_parser("list", help="list pools: configured and joined")
+    clist.add_argument("--json", action="store_true")
+    clist.set_defaults(func=cluster_list)
+    leave = csub.add_parser(
+        "leave",
+        help="remove a joined pool: its workers, then its access to the cluster",
+    )
+    leave.add_argument("name", metavar="POOL")
+    leave.add_argument("--context", help="kubeconfig context (default: the current one)")
+    leave.add_argument("--kubeconfig", help="kubeconfig file")
+    leave.add_argument(
+        "--delete-namespace", action="store_true", help="also delete the pool's namespace"
+    )
+    leave.add_argument(
+        "--keep-access",
+        action="store_true",
+        help="leave the ServiceAccount and its roles on the cluster",
+    )
+    leave.set_defaults(func=cluster_leave)
     return parser
 
 

@@ -19,6 +19,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Mapping,
     Sequence,
 )
 from contextlib import asynccontextmanager
@@ -34,7 +35,7 @@ from agent.connection import (
 )
 from agent.models import ExecRequest, ExecResize, LogLine, WorkerInfo
 from agent.tls import TLSStream, verifying_client_context
-from control.models import TaskList, TaskRequest, TaskSnapshot, TaskView
+from control.models import PoolList, PoolView, TaskList, TaskRequest, TaskSnapshot, TaskView
 
 if TYPE_CHECKING:
     from control.server import WorkerList
@@ -137,6 +138,22 @@ class ControlClient(ApiClient):
     async def worker(self, worker_id: str) -> WorkerInfo:
         path = "/v1/workers/" + urllib.parse.quote(worker_id, safe="")
         return await self._typed("GET", path, None, WorkerInfo)
+
+    # -- pools -------------------------------------------------------------------------------
+
+    async def pools(self) -> PoolList:
+        return await self._typed("GET", "/v1/pools", None, PoolList)
+
+    async def put_pool(self, name: str, block: Mapping[str, Any]) -> PoolView:
+        """Create or replace a joined pool (the block as `config.worker.pools` takes it)."""
+        return await self._typed("PUT", _pool_path(name), dict(block), PoolView)
+
+    async def delete_pool(self, name: str) -> PoolView:
+        return await self._typed("DELETE", _pool_path(name), None, PoolView)
+
+
+def _pool_path(name: str) -> str:
+    return "/v1/pools/" + urllib.parse.quote(name, safe="")
 
 
 def _task_path(task_id: str, *rest: str) -> str:

@@ -101,6 +101,19 @@ class WorkerSettings:
     connect_timeout_s: float = 10.0
     lost_after_s: float = 120.0
     """A worker that cannot be reached for this long has lost the tasks it was running."""
+    pool_credentials: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
+    """Inline credentials by pool name (the private values file), so that a pool's block is
+    pasted as printed."""
+
+
+@attrs.frozen
+class JoinedPoolsSettings:
+    """Where pools registered by `levers9 cluster join` are kept: one Kubernetes Secret each,
+    in the controlplane's own namespace, reached with its pod's ServiceAccount (so a pool's
+    token never touches the controlplane's disk)."""
+
+    in_cluster: bool = True
+    namespace: str | None = None
 
 
 @attrs.frozen
@@ -113,6 +126,7 @@ class ControlConfig:
     tunnel: TunnelSettings = TunnelSettings()
     database: DatabaseSettings = DatabaseSettings()
     workspaces: tuple[WorkspaceConfig, ...] = ()
+    joined_pools: JoinedPoolsSettings | None = None
 
     @property
     def listen_host(self) -> str:
@@ -239,5 +253,11 @@ def _validate(config: ControlConfig) -> None:
             if login.host in hosts:
                 raise ConfigError(f"{where}.registries[{j}].host {login.host!r} appears twice")
             hosts.add(login.host)
+    joined = config.joined_pools
+    if joined is not None and not joined.in_cluster:
+        raise ConfigError(
+            "config.joinedPools.inCluster: joined pools are kept as Secrets in the "
+            "controlplane's own cluster; set inCluster: true or remove joinedPools"
+        )
     if not config.database.path:
         raise ConfigError("config.database.path is empty; give the task database's file path")

@@ -8,6 +8,11 @@ Jobs whose agents the simulated kubelet runs as local processes on stand-in GPU 
 direct, one through its tunnel), runc containers, and the CLI run as a user runs it. It is the
 cluster the end-to-end tests run on (`tests.cluster`), so the demo shows what they check.
 
+The direct pool is a block in the controlplane's config; the tunnel pool is attached the keyless
+way, with `levers9 cluster join` and an operator's kubeconfig: the join makes a ServiceAccount
+with least-privilege RBAC on the stand-in (which enforces it) and hands its token to the
+controlplane, which keeps the pool as a Secret in its own namespace.
+
 One node shares its cards with a neighbour: a pod outside levers9 holding two of its four
 cards exists before the controlplane's first reconcile, so the machine list shows them as held
 by others and the worker there never takes them. The demo exits 0 only if every step worked,
@@ -33,7 +38,7 @@ import trio
 from agent.logs import setup_logging
 from agent.models import ApiError
 from control.client import ControlClient
-from tests.cluster import Cluster, PoolSpec, open_cluster
+from tests.cluster import POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
 from tests.kube_standin import make_pod, start_kube_standin
 from tests.kubelet import SimNode
 from tests.registry import busybox_image, running_registry
@@ -48,6 +53,7 @@ TUNNEL_CARDS = 4
 NEIGHBOUR = "model-server"
 NEIGHBOUR_CARDS = 2
 WORKSPACE = "team-a"
+WORKER_IMAGE = "registry.example.test/levers9/worker:latest"
 GPU_COMMAND = ("sh", "-c", "echo cards: $NVIDIA_VISIBLE_DEVICES; ls /dev | grep nvidia")
 HTTP_PORT = 8080
 HTTP_COMMAND = (
@@ -81,12 +87,15 @@ def _deadline(what: str, seconds: float) -> Iterator[None]:
         raise DemoFailed(f"{what}: not done within {seconds:g} s") from None
 
 
-async def _levers9(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[bytes]:
-    """`levers9 ARGS` as a user of the demo's workspace runs it, shown with its output."""
+async def _levers9(
+    cluster: Cluster, *args: str, workspace: str = WORKSPACE
+) -> subprocess.CompletedProcess[bytes]:
+    """`levers9 ARGS` as a user of the demo's workspace (or the operator) runs it, shown with
+    its output."""
     _say(f"\n$ levers9 {shlex.join(args)}")
     with _deadline(f"levers9 {args[0]}", TASK_S):
         result: subprocess.CompletedProcess[bytes] = await cluster.cli(
-            *args, workspace=WORKSPACE, check=False
+            *args, workspace=workspace, check=False
         )
     # Progress (stderr) came before the task's output (stdout); errors are shown either way.
     for stream in (result.stderr, result.stdout):
@@ -116,6 +125,18 @@ async def _check_machines(client: ControlClient) -> None:
             f"machine list: node {TUNNEL_NODE} shows {others} cards held by others, "
             f"expected the {NEIGHBOUR_CARDS} of pod default/{NEIGHBOUR}"
         )
+
+
+async def _machines_settled(client: ControlClient) -> None:
+    """Until the machine list shows both workers: it is a pool's view as of its last pass,
+    and a pass follows a worker's creation within `FOLLOW_UP_S`."""
+    with trio.move_on_after(WORKERS_READY_S):
+        while True:
+            try:
+                await _check_machines(client)
+                return
+            except DemoFailed:
+                await trio.sleep(0.2)
 
 
 async def _run_gpu_task(cluster: Cluster, image: str, cards: int) -> None:
@@ -186,6 +207,28 @@ async def _wait_containers_removed(cluster: Cluster, workers: list[str]) -> None
                 await trio.sleep(0.2)
 
 
+async def _join_tunnel_pool(cluster: Cluster, kubeconfig: Path) -> None:
+    result = await _levers9(
+        cluster,
+        "cluster",
+        "join",
+        "tunnel-pool",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--image",
+        WORKER_IMAGE,
+        "--selector",
+        f"{POOL_LABEL}=tunnel-pool",
+        "--tunnel",
+        "--no-host-network",
+        workspace="operator",
+    )
+    _check_exit(result, "levers9 cluster join")
+    _check_exit(
+        await _levers9(cluster, "cluster", "list", workspace="operator"), "levers9 cluster list"
+    )
+
+
 async def run_demo(workdir: Path) -> None:
     _say("starting a registry, the Kubernetes API stand-in and the controlplane ...")
     with running_registry(workdir / "registry") as registry:
@@ -193,6 +236,10 @@ async def run_demo(workdir: Path) -> None:
         image = registry.ref("busybox:latest")
         kube = start_kube_standin(workdir / "kube")
         try:
+            # The controlplane runs as if in a pod of that cluster: joined pools are kept as
+            # Secrets in its namespace, reached with its own ServiceAccount.
+            os.environ.update(controlplane_pod(kube.kube, workdir / "serviceaccount"))
+            kubeconfig = kube.kube.write_kubeconfig(workdir / "operator-kubeconfig")
             # Before the nodes exist, so the first reconcile and the kubelet already see it.
             kube.kube.add_pod(make_pod(NEIGHBOUR, TUNNEL_NODE, gpu_limit=NEIGHBOUR_CARDS))
             async with open_cluster(
@@ -202,18 +249,21 @@ async def run_demo(workdir: Path) -> None:
                     (SimNode(DIRECT_NODE, DIRECT_CARDS), "direct-pool"),
                     (SimNode(TUNNEL_NODE, TUNNEL_CARDS), "tunnel-pool"),
                 ],
-                pools=[PoolSpec("direct-pool"), PoolSpec("tunnel-pool", tunnel=True)],
+                pools=[PoolSpec("direct-pool")],
                 agent_env={"LEVERS9_LOG_LEVEL": "WARNING"},
+                joined_pools={"inCluster": True},
             ) as cluster:
                 _say(
-                    f"controlplane {cluster.url}; pools direct-pool ({DIRECT_NODE}, direct) "
-                    f"and tunnel-pool ({TUNNEL_NODE}, tunnel); pod default/{NEIGHBOUR} holds "
-                    f"{NEIGHBOUR_CARDS} cards of {TUNNEL_NODE}"
+                    f"controlplane {cluster.url}; pool direct-pool ({DIRECT_NODE}, direct) from "
+                    f"its config; pod default/{NEIGHBOUR} holds {NEIGHBOUR_CARDS} cards of "
+                    f"{TUNNEL_NODE}, which joins as tunnel-pool"
                 )
+                await _join_tunnel_pool(cluster, kubeconfig)
                 with _deadline("both workers registering", WORKERS_READY_S):
                     workers = await cluster.wait_workers(2)
                 _say(f"workers ready: {', '.join(workers)}")
                 async with cluster.client(WORKSPACE) as client:
+                    await _machines_settled(client)
                     _check_exit(await _levers9(cluster, "machine", "list"), "levers9 machine list")
                     await _check_machines(client)
                     await _run_gpu_task(cluster, image, 1)
@@ -222,8 +272,8 @@ async def run_demo(workdir: Path) -> None:
                     _check_exit(await _levers9(cluster, "task", "list"), "levers9 task list")
                 await _wait_containers_removed(cluster, workers)
                 _say(
-                    "\ndemo finished: a 1-card and a 2-card task ran on their cards, and a "
-                    "task's HTTP port answered through the controlplane"
+                    "\ndemo finished: a cluster joined with no key, a 1-card and a 2-card task "
+                    "ran on their cards, and a task's HTTP port answered through the controlplane"
                 )
         finally:
             kube.stop()

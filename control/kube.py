@@ -630,7 +630,24 @@ class KubeClient:
         op = Operation("delete", "secrets", "", namespace, name)
         await self._call(op, self._core.delete_namespaced_secret, name, namespace)
 
+    async def list_secrets(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """The Secrets matching the selector, data included (for the joined-pool store)."""
+        return await self._list(
+            Operation("list", "secrets", "", namespace),
+            self._core.list_namespaced_secret,
+            namespace,
+            label_selector=label_selector,
+        )
+
+    async def replace_secret(self, namespace: str, manifest: Mapping[str, Any]) -> None:
+        name = _name(manifest) or ""
+        op = Operation("update", "secrets", "", namespace, name)
+        await self._call(op, self._core.replace_namespaced_secret, name, namespace, dict(manifest))
+
     async def ensure_namespace(self, namespace: str) -> None:
+        """Create the namespace unless it exists. An identity that may not read namespaces
+        (`levers9 cluster join` grants none; it creates the namespace itself) goes on: a
+        missing namespace then shows as the first Job that cannot be created."""
         try:
             await self._call(
                 Operation("get", "namespaces", name=namespace), self._core.read_namespace, namespace
@@ -638,6 +655,13 @@ class KubeClient:
             return
         except KubeNotFound:
             pass
+        except KubeAuthError as exc:
+            if exc.code is not ErrorCode.PERMISSION_DENIED:
+                raise
+            log.debug(
+                "pool %s: may not read namespace %s; assuming it exists", self._pool, namespace
+            )
+            return
         manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
         try:
             await self._call(

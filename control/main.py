@@ -29,11 +29,12 @@ async def serve_and_reload(paths: list[str], config: ControlConfig) -> None:
         with trio.open_signal_receiver(signal.SIGHUP) as hangups:
             async for _ in hangups:
                 try:
-                    pools = load_pools(load_files(paths).worker.pools).pools
+                    worker = load_files(paths).worker
+                    pools = load_pools(worker.pools, worker.pool_credentials).pools
                 except ConfigError as exc:
                     log.error("reload refused, the running pools stay: %s", exc)
                     continue
-                await control.set_pools(pools)
+                await control.set_config_pools(pools)
                 log.info("reloaded: %d pool(s)", len(pools))
 
 
@@ -50,19 +51,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging(os.environ.get("LEVERS9_LOG_LEVEL", "INFO"))
+    from control.joined import own_cluster
+    from control.pools import load_pools
+
     try:
         config = load_files(args.config)
+        # Everything the config names is checked before anything starts.
+        load_pools(config.worker.pools, config.worker.pool_credentials)
+        if config.joined_pools is not None:
+            own_cluster(config.joined_pools)
     except ConfigError as exc:
         print(f"levers9-control: {exc}", file=sys.stderr)
         return 2
+    from agent.runner import exception_leaves as _leaves
     from agent.signals import run_until_signalled
 
+    messages: list[str] = []
     try:
         trio.run(run_until_signalled, functools.partial(serve_and_reload, args.config, config))
-    except ApiError as exc:
-        print(f"levers9-control: {exc.message}", file=sys.stderr)
-        return 2
-    return 0
+    except* ApiError as group:
+        messages += [e.message for e in _leaves(group) if isinstance(e, ApiError)]
+    except* ConfigError as group:
+        messages += [str(e) for e in _leaves(group)]
+    for message in messages:
+        print(f"levers9-control: {message}", file=sys.stderr)
+    return 2 if messages else 0
 
 
 if __name__ == "__main__":

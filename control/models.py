@@ -18,6 +18,13 @@ Routes (HTTPS, HTTP/2, `Authorization: Bearer <workspace token>`):
 - WebSocket (RFC 8441) `/v1/tasks/{id}/exec`: the worker's exec protocol (`agent.exec`), relayed
 - `CONNECT <task id>:<port>`: a byte stream to that port of the task's container (box port)
 - any method on `/v1/tasks/{id}/ports/{port}/<path>`: HTTP to a declared port (endpoint)
+
+Pool routes (operator token, `apiTokens`):
+
+- `GET /v1/pools` → `PoolList`: every pool, from config or joined
+- `PUT /v1/pools/{name}` (the pool block as `config.worker.pools` takes it, credentials
+  included) → `PoolView`: what `levers9 cluster join` calls; creates or replaces a joined pool
+- `DELETE /v1/pools/{name}` → `PoolView`: a joined pool's workers are removed, then the pool
 """
 
 from __future__ import annotations
@@ -104,3 +111,28 @@ class TaskSnapshot:
     size: int
     task: str
     worker: str
+
+
+@attrs.frozen
+class PoolView:
+    """A pool as the API reports it; never its credentials. `source` is `config` (a block in
+    the values) or `joined` (registered by `levers9 cluster join`)."""
+
+    name: str
+    source: str
+    flavor: str
+    endpoint: str
+    namespace: str
+    selector: str
+    tunnel: bool
+    host_network: bool
+    image: str
+    machines: int = 0
+    error: str | None = None
+
+
+@attrs.frozen
+class PoolList:
+    pools: tuple[PoolView, ...]
+    joined_pools: bool = False
+    """Whether this controlplane keeps joined pools (`config.joinedPools`, store readable)."""

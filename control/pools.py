@@ -20,6 +20,7 @@ import binascii
 import enum
 import json
 import logging
+import os
 import re
 import stat
 from collections.abc import Mapping, Sequence
@@ -50,8 +51,11 @@ __all__ = [
     "Selector",
     "TokenCredentials",
     "Toleration",
+    "in_cluster_connection",
     "load_pools",
+    "own_namespace",
     "read_credentials",
+    "service_account_dir",
 ]
 
 log = logging.getLogger("levers9.pools")
@@ -208,6 +212,9 @@ class KubernetesPool:
     driver_path: str = attrs.field(default=attrs.Factory(_default_driver_path, takes_self=True))
     idle_minutes: int = 30
     reconcile_seconds: float = 15.0
+    in_cluster: bool = False
+    """The controlplane's own cluster, reached with its pod's ServiceAccount: endpoint, CA and
+    credentialsFile are filled in from the pod when the block is loaded."""
 
     @property
     def ca_pem(self) -> bytes:
@@ -239,12 +246,28 @@ _CONVERTER = make_converter()
 _CONVERTER.register_structure_hook(bool, _strict_bool)
 
 
-def load_pools(raw: Sequence[Mapping[str, Any]]) -> LoadedPools:
-    """Type and check `config.worker.pools`; raise `ConfigError` naming pool and field."""
+def load_pools(
+    raw: Sequence[Mapping[str, Any]], pool_credentials: Mapping[str, Any] | None = None
+) -> LoadedPools:
+    """Type and check `config.worker.pools`; raise `ConfigError` naming pool and field.
+
+    `pool_credentials` (`config.worker.poolCredentials`, from the private values file) gives
+    a pool its inline credentials by name, so the block itself is pasted unchanged."""
+    by_name = dict(pool_credentials or {})
+    named = {b.get("name") for b in raw if isinstance(b, Mapping)}
+    for name in by_name:
+        if name not in named:
+            raise ConfigError(
+                f"config.worker.poolCredentials.{name}: no pool of that name in "
+                "config.worker.pools; fix the name or remove the entry"
+            )
     pools: list[PoolConfig] = []
     warnings: list[str] = []
     seen: set[str] = set()
-    for index, block in enumerate(raw):
+    for index, given in enumerate(raw):
+        block = given
+        if isinstance(given, Mapping) and given.get("name") in by_name:
+            block = _with_credentials(given, by_name[str(given["name"])])
         pool, pool_warnings = _load_one(index, block)
         if pool.name in seen:
             raise ConfigError(
@@ -257,6 +280,70 @@ def load_pools(raw: Sequence[Mapping[str, Any]]) -> LoadedPools:
     for warning in warnings:
         log.warning("%s", warning)
     return LoadedPools(pools=tuple(pools), warnings=tuple(warnings))
+
+
+def _with_credentials(block: Mapping[str, Any], credentials: Any) -> Mapping[str, Any]:
+    kube = block.get("kubernetes")
+    if not isinstance(kube, Mapping):
+        return block
+    if "credentials" in kube or "credentialsFile" in kube:
+        raise ConfigError(
+            f"config.worker.poolCredentials.{block['name']}: the pool's block already sets "
+            "credentials or credentialsFile; keep one of the two"
+        )
+    return {**block, "kubernetes": {**kube, "credentials": credentials}}
+
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def service_account_dir() -> Path:
+    """Where the pod's ServiceAccount token, CA and namespace are mounted
+    (`LEVERS9_SERVICEACCOUNT_DIR` moves it, for a controlplane run outside a pod)."""
+    return Path(os.environ.get("LEVERS9_SERVICEACCOUNT_DIR") or SERVICE_ACCOUNT_DIR)
+
+
+def in_cluster_connection(where: str) -> dict[str, str]:
+    """The pod's own API server: endpoint, caData and the token file, as pool fields."""
+    host = os.environ.get("KUBERNETES_SERVICE_HOST")
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        raise ConfigError(
+            f"{where}: the controlplane is not running in a pod (KUBERNETES_SERVICE_HOST is "
+            "not set); give endpoint, caData and credentials instead"
+        )
+    directory = service_account_dir()
+    try:
+        ca = (directory / "ca.crt").read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"{where}: cannot read the pod's ServiceAccount CA {directory / 'ca.crt'}: "
+            f"{exc.strerror}; is automountServiceAccountToken off?"
+        ) from None
+    token = directory / "token"
+    if not token.is_file():
+        raise ConfigError(
+            f"{where}: the pod has no ServiceAccount token at {token}; "
+            "is automountServiceAccountToken off?"
+        )
+    hostport = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return {
+        "endpoint": f"https://{hostport}",
+        "caData": base64.b64encode(ca).decode(),
+        "credentialsFile": str(token),
+    }
+
+
+def own_namespace(where: str) -> str:
+    """The namespace the controlplane's pod runs in."""
+    path = service_account_dir() / "namespace"
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"{where}: cannot read the pod's namespace from {path}: {exc.strerror}; "
+            "give the namespace"
+        ) from None
 
 
 def read_credentials(pool: PoolConfig) -> Credentials:
@@ -280,6 +367,16 @@ def _load_one(index: int, block: Mapping[str, Any]) -> tuple[PoolConfig, list[st
     if not isinstance(kube_raw, Mapping):
         raise ConfigError(f"{where}.kubernetes: required mapping is missing (endpoint, caData...)")
     kube_data = dict(kube_raw)
+    if kube_data.get("inCluster") is True:
+        given = sorted(
+            k for k in ("endpoint", "caData", "credentials", "credentialsFile") if k in kube_data
+        )
+        if given:
+            raise ConfigError(
+                f"{where}.kubernetes.inCluster: the pool is the controlplane's own cluster, "
+                f"reached with its pod's ServiceAccount; remove {', '.join(given)}"
+            )
+        kube_data.update(in_cluster_connection(f"{where}.kubernetes.inCluster"))
     # Credentials and the selector have shapes cattrs cannot pick alone (they depend on the
     # flavor, or mix labels with keywords); they are parsed by hand below, with our messages.
     creds_raw = kube_data.pop("credentials", None)
@@ -367,6 +464,9 @@ def _validate(pool: PoolConfig, where: str) -> list[str]:
     warnings: list[str] = []
     if kube.credentials_file is not None:
         path = Path(kube.credentials_file)
+        if kube.in_cluster:
+            # The kubelet mounts the ServiceAccount token world-readable; that is its design.
+            return []
         try:
             mode = path.stat().st_mode
         except OSError as exc:
@@ -470,12 +570,16 @@ def _credentials_from_file(flavor: Flavor, path: Path, where: str) -> Credential
         and ("clusters" in data or data.get("kind") == "Config")
     ):
         data = {"kubeconfig": data}
-    elif flavor is Flavor.GENERIC and isinstance(data, str):
+    elif isinstance(data, str):
         data = {"token": data.strip()}
     return _parse_credentials(flavor, data, f"{where} ({path})")
 
 
 def _parse_credentials(flavor: Flavor, raw: Any, where: str) -> Credentials:
+    # A ServiceAccount token (what `levers9 cluster join` makes) works on any flavor.
+    if isinstance(raw, Mapping) and "token" in raw:
+        _fields(raw, where, allowed=("token",), required=("token",))
+        return TokenCredentials(token=raw["token"])
     if flavor is Flavor.GKE:
         return _parse_gke(raw, where)
     if flavor is Flavor.EKS:

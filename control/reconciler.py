@@ -95,6 +95,17 @@ def _created_at(job: Mapping[str, Any]) -> float | None:
         return None
 
 
+FOLLOW_UP_S = 2.0
+"""A pass that created or deleted Jobs is followed this soon by another, so the machines show
+the new workers without waiting a whole `reconcileSeconds`."""
+
+
+def next_pass_in_s(plan: Plan | None, reconcile_seconds: float) -> float:
+    if plan is not None and plan.actions:
+        return min(FOLLOW_UP_S, reconcile_seconds)
+    return reconcile_seconds
+
+
 class PoolReconciler:
     """One pool's reconcile loop; `run` in the controlplane's nursery."""
 
@@ -126,8 +137,8 @@ class PoolReconciler:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            await self.reconcile_once()
-            await trio.sleep(self.settings.reconcile_seconds)
+            plan = await self.reconcile_once()
+            await trio.sleep(next_pass_in_s(plan, self.settings.reconcile_seconds))
 
     async def reconcile_once(self) -> Plan | None:
         """One pass; returns its plan, or None when the cluster could not be read or written."""

@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import ssl
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -28,7 +30,9 @@ from agent.wsstream import WebSocketStream, wrap_server
 from control.config import ControlConfig
 from control.dispatch import Dispatcher
 from control.endpoints import EndpointProxy
+from control.joined import JoinedPoolStore, own_cluster
 from control.kube import open_kube_client
+from control.models import PoolList, PoolView
 from control.pools import PoolConfig, load_pools
 from control.reconciler import PoolReconciler
 from control.registry import WorkerRegistry
@@ -79,6 +83,9 @@ class Controlplane:
         dispatcher.on_ended.append(forget_connections)
         self._api_tokens = {t.token: t.name for t in config.api_tokens}
         self._pools: dict[str, _PoolRun] = {}
+        self.config_pools: tuple[PoolConfig, ...] = ()
+        self.joined: JoinedPoolStore | None = None
+        self._pools_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self.pool_env: Mapping[str, str] | None = None
         router = self._router()
@@ -186,12 +193,146 @@ class Controlplane:
                 }
             )
 
+        def joined_store() -> JoinedPoolStore:
+            if self.joined is None:
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    "this controlplane keeps no joined pools (config.joinedPools is not set, "
+                    "or its store could not be read yet); add the pool's block to "
+                    "config.worker.pools instead",
+                )
+            return self.joined
+
+        async def list_pools(request: Request) -> PoolList:
+            require_api(request)
+            return PoolList(tuple(self.pool_views()), joined_pools=self.joined is not None)
+
+        async def put_pool(request: Request) -> PoolView:
+            require_api(request)
+            name = request.params["name"]
+            if any(pool.name == name for pool in self.config_pools):
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"pool {name} comes from config.worker.pools; change it in the values, or "
+                    "join this cluster under another name",
+                    field="name",
+                )
+            block = _json_mapping(await request.body())
+            if block.get("name", name) != name:
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"name {block.get('name')!r} does not match the path's {name!r}",
+                    field="name",
+                )
+            store = joined_store()
+            async with self._pools_lock:
+                pool = await store.put({**block, "name": name})
+                await self.set_pools([*self.config_pools, *store.pools()])
+            log.info("pool %s joined (%s)", name, pool.kubernetes.endpoint)
+            return next(v for v in self.pool_views() if v.name == name)
+
+        async def delete_pool(request: Request) -> PoolView:
+            require_api(request)
+            name = request.params["name"]
+            if any(pool.name == name for pool in self.config_pools):
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"pool {name} comes from config.worker.pools; delete its block from the "
+                    "values and deploy",
+                    field="name",
+                )
+            store = joined_store()
+            views = [v for v in self.pool_views() if v.name == name]
+            if not views:
+                raise ApiError(ErrorCode.NOT_FOUND, f"no joined pool named {name}")
+            async with self._pools_lock:
+                await store.remove(name)
+                await self.set_pools([*self.config_pools, *store.pools()])
+            log.info("pool %s left: its workers were removed", name)
+            return views[0]
+
+        router.add("GET", "/v1/pools", list_pools)
+        router.add("PUT", "/v1/pools/{name}", put_pool)
+        router.add("DELETE", "/v1/pools/{name}", delete_pool)
         router.add("GET", "/v1/machines", list_machines)
         router.add("POST", "/v1/workers/{worker_id}/register", register)
         router.add("POST", "/v1/workers/{worker_id}/deregister", deregister)
         router.add("GET", "/v1/workers", list_workers)
         router.add("GET", "/v1/workers/{worker_id}", get_worker)
         return router
+
+    def pool_views(self) -> list[PoolView]:
+        joined = set(self.joined.blocks) if self.joined is not None else set()
+        views = []
+        for name, run in sorted(self._pools.items()):
+            kube = run.pool.kubernetes
+            status = run.reconciler.status if run.reconciler is not None else None
+            views.append(
+                PoolView(
+                    name=name,
+                    source="joined" if name in joined else "config",
+                    flavor=kube.flavor.value,
+                    endpoint=kube.endpoint,
+                    namespace=kube.namespace,
+                    selector=kube.selector.label_selector(),
+                    tunnel=kube.tunnel,
+                    host_network=kube.host_network,
+                    image=kube.image,
+                    machines=len(status.machines) if status is not None else 0,
+                    error=status.error if status is not None else None,
+                )
+            )
+        return views
+
+    async def set_config_pools(self, pools: Sequence[PoolConfig]) -> None:
+        """The configured pools changed (start-up or SIGHUP); joined pools stay, except one
+        whose name a configured pool now takes."""
+        async with self._pools_lock:
+            self.config_pools = tuple(pools)
+            names = {pool.name for pool in pools}
+            joined = self.joined.pools() if self.joined is not None else []
+            for pool in joined:
+                if pool.name in names:
+                    log.warning(
+                        "joined pool %s is shadowed by config.worker.pools[%s]",
+                        pool.name,
+                        pool.name,
+                    )
+            await self.set_pools([*pools, *(p for p in joined if p.name not in names)])
+
+    async def keep_joined_pools(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Open the joined-pool store in the controlplane's own cluster and start the pools it
+        keeps. Started once the first read is done, or has failed: then it is retried while
+        the configured pools and the API already run."""
+        settings = self.config.joined_pools
+        assert settings is not None
+        own, namespace = own_cluster(settings)
+        async with open_kube_client(own) as kube:
+            store = JoinedPoolStore(kube, namespace)
+            delay_s = 1.0
+            while True:
+                try:
+                    await store.load()
+                    break
+                except ApiError as exc:
+                    # The first failure does not hold up the configured pools and the API.
+                    task_status.started()
+                    task_status = trio.TASK_STATUS_IGNORED
+                    log.warning(
+                        "joined pools: cannot read them from namespace %s, retrying in %g s: %s",
+                        namespace,
+                        delay_s,
+                        exc.message,
+                    )
+                await trio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 30.0)
+            self.joined = store
+            log.info("joined pools: %d kept in namespace %s", len(store.blocks), namespace)
+            await self.set_config_pools(self.config_pools)
+            task_status.started()
+            await trio.sleep_forever()
 
     @property
     def pools(self) -> list[PoolReconciler]:
@@ -309,6 +450,18 @@ class Controlplane:
             self.registry.learn(info)
 
 
+def _json_mapping(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(
+            ErrorCode.INVALID_ARGUMENT, "body must be a pool block (a JSON object with kubernetes)"
+        )
+    return data
+
+
 @attrs.define(eq=False)
 class _PoolRun:
     pool: PoolConfig
@@ -328,7 +481,7 @@ async def serve_controlplane(
     `started()` gives the `Controlplane`. `pool_env` is extra environment for every worker
     Job (e.g. the controlplane's CA for agents)."""
     context = server_ssl_context(config)
-    pools = load_pools(config.worker.pools).pools
+    pools = load_pools(config.worker.pools, config.worker.pool_credentials).pools
     async with open_task_store(config.database.path) as store, trio.open_nursery() as nursery:
         registry = WorkerRegistry(
             {t.worker_id: t.token for t in config.worker.tokens},
@@ -357,7 +510,9 @@ async def serve_controlplane(
         await nursery.start(dispatcher.run)
         await nursery.start(trio.serve_listeners, handle, listeners)
         log.info("controlplane listening on %s:%d", config.listen_host, port)
-        await control.set_pools(pools)
+        await control.set_config_pools(pools)
+        if config.joined_pools is not None:
+            await nursery.start(control.keep_joined_pools)
         task_status.started(control)
         try:
             await trio.sleep_forever()

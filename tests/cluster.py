@@ -68,6 +68,61 @@ class PoolSpec:
         }
 
 
+OWN_NAMESPACE = "levers9-control"
+
+
+def controlplane_pod(kube: KubeStandin, directory: Path) -> dict[str, str]:
+    """Make the controlplane run as if in a pod of the stand-in cluster: its ServiceAccount as
+    the Helm chart makes it (a Role on Secrets in its namespace, for joined pools; nothing
+    else), mounted into `directory` the way the kubelet mounts it. Returns the environment a
+    pod gets (set it in this process before the controlplane starts)."""
+    meta = {"name": "levers9-control", "namespace": OWN_NAMESPACE}
+    rules = [
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "verbs": ["get", "list", "watch", "create", "update", "delete"],
+        }
+    ]
+    kube.add_namespace(OWN_NAMESPACE)
+    kube.create("serviceaccounts", {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta})
+    kube.create("roles", {"metadata": meta, "rules": rules})
+    kube.create(
+        "rolebindings",
+        {
+            "metadata": meta,
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": meta["name"],
+            },
+            "subjects": [{"kind": "ServiceAccount", **meta}],
+        },
+    )
+    kube.create(
+        "secrets",
+        {
+            "type": "kubernetes.io/service-account-token",
+            "metadata": {
+                "name": "levers9-control-token",
+                "namespace": OWN_NAMESPACE,
+                "annotations": {"kubernetes.io/service-account.name": meta["name"]},
+            },
+        },
+    )
+    token = kube.service_account_token("levers9-control-token", OWN_NAMESPACE)
+    assert token
+    directory.mkdir(parents=True)
+    (directory / "token").write_text(token)
+    (directory / "ca.crt").write_bytes(kube.ca_pem)
+    (directory / "namespace").write_text(OWN_NAMESPACE)
+    return {
+        "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+        "KUBERNETES_SERVICE_PORT": kube.url.rsplit(":", 1)[1],
+        "LEVERS9_SERVICEACCOUNT_DIR": str(directory),
+    }
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -195,9 +250,12 @@ def control_values(
     buckets: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     lost_after_s: float = 20.0,
     registries: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    joined_pools: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    extra = {"joinedPools": dict(joined_pools)} if joined_pools is not None else {}
     return {
         "config": {
+            **extra,
             "publicUrl": f"https://127.0.0.1:{port}",
             "listen": f"127.0.0.1:{port}",
             "tls": {"certFile": str(pki.cert_file), "keyFile": str(pki.key_file)},
@@ -231,6 +289,7 @@ async def open_cluster(
     buckets: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     lost_after_s: float = 20.0,
     registries: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    joined_pools: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Cluster]:
     """Nodes are (node, pool name) pairs. The kubelet starts before the controlplane so the
     nodes are there for its first reconcile; everything stops when the block ends."""
@@ -251,6 +310,7 @@ async def open_cluster(
             buckets=buckets,
             lost_after_s=lost_after_s,
             registries=registries,
+            joined_pools=joined_pools,
         )
     )
     labelled = [

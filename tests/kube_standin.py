@@ -2,9 +2,18 @@
 
 No kube-apiserver can be installed here, yet the controlplane's Kubernetes adapter must be
 tested against something that the official `kubernetes` client and `kubectl` both accept. This
-module serves core/v1 nodes, pods, secrets and namespaces and batch/v1 jobs with the apiserver's
-paths, List and Status shapes, discovery documents, label and field selectors, `limit`/`continue`
-paging, bearer-token authentication and owner-reference cascading on delete.
+module serves core/v1 nodes, pods (with their `log` subresource), secrets, namespaces and
+serviceaccounts, batch/v1 jobs and rbac.authorization.k8s.io/v1 roles, clusterroles and their
+bindings with the apiserver's paths, List and Status shapes, discovery documents, label and field
+selectors, `limit`/`continue` paging, bearer-token authentication and owner-reference cascading
+on delete.
+
+ServiceAccounts are modelled as far as `levers9 cluster join` needs them: the token controller
+fills a `kubernetes.io/service-account-token` Secret with a token, the CA and the namespace; a
+request bearing that token is `system:serviceaccount:<ns>:<sa>` and is authorized by RBAC
+(Roles, ClusterRoles and their bindings, wildcards and resourceNames as the real authorizer
+reads them), with the apiserver's 403 wording; `kubectl auth can-i` and `kubectl auth whoami`
+get their review answers. The admin token and `add_token` tokens bypass RBAC, as before.
 
 Design choices:
 - It is a `http.server.ThreadingHTTPServer` on its own threads, so the same object serves trio
@@ -16,8 +25,9 @@ Design choices:
 - Tests arrange state through the Python API (`add_node`, `add_pod`, `set_pod_phase`, ...) rather
   than through status subresources; faults (429, 500, delays) and a "kubelet" callback run when a
   Job is created are armed the same way.
-- Only what the controlplane needs is modelled: no watch, no admission, no scheduler, and the
-  garbage collector runs synchronously inside the delete that triggers it.
+- Only what the controlplane needs is modelled: no watch, no admission, no scheduler, no RBAC
+  escalation checks or bootstrap roles, and the garbage collector and the token controller run
+  synchronously inside the request that triggers them.
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 Key = tuple[str, str]
 """(namespace, name); the namespace is "" for cluster-scoped resources."""
+
+RBAC = "rbac.authorization.k8s.io"
 
 KUBE_VERSION = {
     "major": "1",
@@ -93,9 +105,25 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("", "v1", "pods", "Pod", True, ("po",), "pod"),
     Resource("", "v1", "secrets", "Secret", True, (), "secret"),
     Resource("batch", "v1", "jobs", "Job", True, (), "job"),
+    Resource("", "v1", "serviceaccounts", "ServiceAccount", True, ("sa",), "serviceaccount"),
+    Resource(RBAC, "v1", "clusterroles", "ClusterRole", False, (), "clusterrole"),
+    Resource(
+        RBAC, "v1", "clusterrolebindings", "ClusterRoleBinding", False, (), "clusterrolebinding"
+    ),
+    Resource(RBAC, "v1", "roles", "Role", True, (), "role"),
+    Resource(RBAC, "v1", "rolebindings", "RoleBinding", True, (), "rolebinding"),
 )
 _BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES}
 _VERBS = ["create", "delete", "get", "list", "patch", "update"]
+SA_TOKEN_TYPE = "kubernetes.io/service-account-token"
+SA_NAME_ANNOTATION = "kubernetes.io/service-account.name"
+SA_UID_ANNOTATION = "kubernetes.io/service-account.uid"
+ADMIN_USER = "kubernetes-admin"
+LIMITED_USER = "system:serviceaccount:standin:limited"
+"""Who an `add_token` token is, in its 403 messages and reviews."""
+_ACCESS_REVIEW = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+_SUBJECT_REVIEW = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
+_DISCOVERY_PATHS = ("/api", "/apis", "/version", "/openapi")
 _FIELDS = {"metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"}
 _GPU = "nvidia.com/gpu"
 
@@ -480,6 +508,10 @@ class KubeStandin:
         self.directory = directory
         self.token = token or secrets.token_urlsafe(24)
         self._tokens: dict[str, frozenset[str]] = {self.token: frozenset()}
+        # Tokens the token controller issued -> the Secret holding each; a token is valid only
+        # while that Secret still holds it and its ServiceAccount (same uid) still exists.
+        self._sa_tokens: dict[str, Key] = {}
+        self._pod_logs: dict[Key, str] = {}
         self._lock = threading.RLock()
         self._rv = 0
         self._store: dict[str, dict[Key, _Stored]] = {r.plural: {} for r in RESOURCES}
@@ -504,6 +536,40 @@ class KubeStandin:
         """Accepts `token`; requests whose verb is in `denied_verbs` get 403 Forbidden."""
         with self._lock:
             self._tokens[token] = frozenset(denied_verbs)
+
+    def who_am_i(self, token: str) -> str | None:
+        """The user `token` authenticates as (`system:serviceaccount:<ns>:<sa>` for a
+        ServiceAccount token), or None when the server would answer 401."""
+        with self._lock:
+            if token == self.token:
+                return ADMIN_USER
+            if token in self._tokens:
+                return LIMITED_USER
+            return self._sa_user(token)
+
+    def authorized(
+        self,
+        token: str,
+        verb: str,
+        resource: str,
+        namespace: str = "",
+        group: str = "",
+        *,
+        name: str = "",
+        subresource: str = "",
+    ) -> bool:
+        """Whether a request with `token` may `verb` `resource` (a plural such as "pods") of
+        API `group` in `namespace` ("" for cluster scope), as the server would decide it."""
+        with self._lock:
+            if token in self._tokens:
+                return verb not in self._tokens[token]
+            user = self._sa_user(token)
+            if user is None:
+                return False
+            return (
+                self._rbac_allows(user, verb, group, resource, subresource, namespace, name)
+                is not None
+            )
 
     def inject_fault(
         self,
@@ -591,6 +657,21 @@ class KubeStandin:
         if pod is None:
             raise KeyError(f"pod {namespace}/{name}")
         return self._put("pods", {**pod, "status": {**pod["status"], "phase": phase}}, False)
+
+    def set_pod_log(self, name: str, namespace: str, text: str) -> None:
+        """What `GET .../pods/<name>/log` answers from now on (empty until set); KeyError when
+        the pod does not exist."""
+        with self._lock:
+            if self.get("pods", name, namespace) is None:
+                raise KeyError(f"pod {namespace}/{name}")
+            self._pod_logs[namespace, name] = text
+
+    def service_account_token(self, secret: str, namespace: str) -> str | None:
+        """The token the token controller put into Secret `namespace/secret`, decoded; None
+        when there is no such Secret or it holds no token."""
+        stored = self.get("secrets", secret, namespace)
+        encoded = (stored or {}).get("data", {}).get("token")
+        return base64.b64decode(encoded).decode() if encoded else None
 
     def update(self, plural: str, obj: Obj) -> Obj:
         """Stores `obj` (any served resource) as it is, bumping its resourceVersion."""
@@ -762,6 +843,18 @@ class KubeStandin:
             new = {**obj, "apiVersion": res.api_version, "kind": res.kind, "metadata": meta}
             if plural == "secrets":
                 new = _default_secret(new)
+                if new["type"] == SA_TOKEN_TYPE:
+                    filled = self._token_controller(key, new)
+                    if filled is None:
+                        # The token controller deletes a token Secret whose ServiceAccount is
+                        # missing; the write itself succeeded, so the writer sees the object.
+                        if old is not None:
+                            del table[key]
+                            self._forget_token(key, old.obj)
+                        return new
+                    new = filled
+            elif plural in ("rolebindings", "clusterrolebindings"):
+                _check_role_ref(res, new, old.obj if old is not None else None)
             elif plural == "jobs" and old is None:
                 new = _default_job(new)
             elif plural == "namespaces":
@@ -789,6 +882,15 @@ class KubeStandin:
             self._bump()
             if res.plural == "pods":
                 self._index_pod(key, stored.obj, None)
+                self._pod_logs.pop(key, None)
+            elif res.plural == "secrets":
+                self._forget_token(key, stored.obj)
+            elif res.plural == "serviceaccounts":
+                # The token controller removes the ServiceAccount's token Secrets (and so
+                # invalidates their tokens).
+                for secret_key, secret in list(self._store["secrets"].items()):
+                    if secret_key[0] == ns and _token_owner(secret.obj) == name:
+                        self._delete(_resource("secrets"), ns, secret_key[1], "Background")
             uid = stored.obj["metadata"]["uid"]
             if policy in ("Background", "Foreground"):
                 self._collect(uid)
@@ -812,14 +914,127 @@ class KubeStandin:
             for ns, name in dependents:
                 self._delete(_resource(plural), ns, name, "Background")
 
+    # -- ServiceAccounts and RBAC (call with the lock)
+
+    def _token_controller(self, key: Key, secret: Obj) -> Obj | None:
+        """The token Secret as the token controller completes it, or None when its
+        ServiceAccount does not exist (or is another one of the same name)."""
+        meta = secret["metadata"]
+        annotations = dict(meta.get("annotations") or {})
+        sa_name = annotations.get(SA_NAME_ANNOTATION)
+        if not sa_name:
+            raise KubeError(
+                422,
+                "Invalid",
+                f'Secret "{key[1]}" is invalid: metadata.annotations[{SA_NAME_ANNOTATION}]: '
+                "Required value",
+            )
+        sa = self._store["serviceaccounts"].get((key[0], sa_name))
+        if sa is None:
+            return None
+        sa_uid = sa.obj["metadata"]["uid"]
+        if annotations.get(SA_UID_ANNOTATION) not in (None, "", sa_uid):
+            return None
+        annotations[SA_UID_ANNOTATION] = sa_uid
+        data = dict(secret.get("data") or {})
+        if not data.get("token"):
+            token = secrets.token_urlsafe(32)
+            data["token"] = _b64(token.encode())
+            self._sa_tokens[token] = key
+        if not data.get("ca.crt"):
+            data["ca.crt"] = _b64(self.ca_pem)
+        if not data.get("namespace"):
+            data["namespace"] = _b64(key[0].encode())
+        return {**secret, "metadata": {**meta, "annotations": annotations}, "data": data}
+
+    def _forget_token(self, key: Key, secret: Obj) -> None:
+        encoded = (secret.get("data") or {}).get("token")
+        if encoded:
+            token = base64.b64decode(encoded).decode(errors="replace")
+            if self._sa_tokens.get(token) == key:
+                del self._sa_tokens[token]
+
+    def _sa_user(self, token: str) -> str | None:
+        """`system:serviceaccount:<ns>:<sa>` for a live ServiceAccount token, else None."""
+        key = self._sa_tokens.get(token)
+        stored = self._store["secrets"].get(key) if key is not None else None
+        if key is None or stored is None:
+            return None
+        secret = stored.obj
+        if (secret.get("data") or {}).get("token") != _b64(token.encode()):
+            return None
+        sa_name = _token_owner(secret)
+        sa = self._store["serviceaccounts"].get((key[0], sa_name or ""))
+        annotations = secret["metadata"].get("annotations") or {}
+        if sa is None or sa.obj["metadata"]["uid"] != annotations.get(SA_UID_ANNOTATION):
+            return None
+        return f"system:serviceaccount:{key[0]}:{sa_name}"
+
+    def _rbac_allows(
+        self, user: str, verb: str, group: str, resource: str, sub: str, ns: str, name: str
+    ) -> str | None:
+        """Why RBAC lets `user` do this (the binding and role that grant it), or None."""
+        want = _Want(verb, group, f"{resource}/{sub}" if sub else resource, name)
+        candidates = [("", s.obj) for s in self._store["clusterrolebindings"].values()]
+        if ns:
+            candidates += [
+                (ns, s.obj) for (b_ns, _), s in self._store["rolebindings"].items() if b_ns == ns
+            ]
+        for b_ns, binding in candidates:
+            ref = binding.get("roleRef") or {}
+            if ref.get("kind") == "Role" and b_ns:
+                role = self._store["roles"].get((b_ns, str(ref.get("name"))))
+            elif ref.get("kind") == "ClusterRole":
+                role = self._store["clusterroles"].get(("", str(ref.get("name"))))
+            else:
+                role = None
+            if role is None or not _binds(binding, b_ns, user):
+                continue
+            if any(want.allowed_by(rule) for rule in role.obj.get("rules") or ()):
+                kind = "RoleBinding" if b_ns else "ClusterRoleBinding"
+                return (
+                    f'RBAC: allowed by {kind} "{binding["metadata"]["name"]}" of '
+                    f'{ref["kind"]} "{ref["name"]}" to {user}'
+                )
+        return None
+
     # -- the REST layer (called by the handler)
 
-    def _authorize(self, header: str | None, verb: str, res: Resource | None, ns: str) -> None:
+    def _authenticate(self, header: str | None) -> tuple[str, frozenset[str] | None]:
+        """(user, denied verbs) for a bearer token; denied verbs is None for a ServiceAccount
+        token, which RBAC decides for. Raises 401 for anything else."""
         token = header[7:] if header and header.startswith("Bearer ") else None
         with self._lock:
             denied = self._tokens.get(token) if token is not None else None
-        if denied is None:
+            if denied is not None:
+                return (ADMIN_USER if token == self.token else LIMITED_USER), denied
+            user = self._sa_user(token) if token is not None else None
+        if user is None:
             raise KubeError(401, "Unauthorized", "Unauthorized")
+        return user, None
+
+    def _authorize(
+        self,
+        header: str | None,
+        verb: str,
+        res: Resource | None,
+        ns: str,
+        name: str = "",
+        sub: str = "",
+    ) -> tuple[str, frozenset[str] | None]:
+        """Raises 401 or 403 as the apiserver would; returns what `_authenticate` does."""
+        user, denied = self._authenticate(header)
+        if denied is None:
+            if res is None:
+                # Discovery is open to every authenticated user.
+                return user, None
+            if res.plural == "namespaces" and name:
+                ns = name  # a namespace is authorized within itself, as the apiserver does
+            with self._lock:
+                allowed = self._rbac_allows(user, verb, res.group, res.plural, sub, ns, name)
+            if allowed is None:
+                raise _forbidden(user, verb, res, ns, name, sub)
+            return user, None
         if verb in denied:
             what = res.plural if res else "discovery"
             group = res.group if res else ""
@@ -828,10 +1043,61 @@ class KubeStandin:
             raise KubeError(
                 403,
                 "Forbidden",
-                f'{res.qualified if res else what} is forbidden: User "system:serviceaccount:'
-                f'standin:limited" cannot {verb} resource "{what}" in API group "{group}"{where}',
+                f'{res.qualified if res else what} is forbidden: User "{LIMITED_USER}" '
+                f'cannot {verb} resource "{what}" in API group "{group}"{where}',
                 details,
             )
+        return user, denied
+
+    def _pod_log(self, method: str, route: _Route) -> bytes:
+        if method != "GET":
+            raise KubeError(405, "MethodNotAllowed", f"{method} is not supported on pods/log")
+        with self._lock:
+            if (route.namespace, route.name) not in self._store["pods"]:
+                raise _not_found(route.res, route.name)
+            return self._pod_logs.get((route.namespace, route.name), "").encode()
+
+    def _access_review(self, user: str, denied: frozenset[str] | None, body: bytes) -> Obj:
+        """Answers a SelfSubjectAccessReview (what `kubectl auth can-i` sends); `denied` as
+        `_authenticate` returns it."""
+        review = _json_body(body)
+        spec = review.get("spec") or {}
+        attrs_ = spec.get("resourceAttributes")
+        reason = ""
+        if isinstance(attrs_, dict):
+            verb = str(attrs_.get("verb") or "")
+            if denied is not None:
+                allowed = verb not in denied
+            else:
+                group = str(attrs_.get("group") or "")
+                resource = str(attrs_.get("resource") or "")
+                with self._lock:
+                    why = self._rbac_allows(
+                        user,
+                        verb,
+                        group,
+                        resource,
+                        str(attrs_.get("subresource") or ""),
+                        str(attrs_.get("namespace") or ""),
+                        str(attrs_.get("name") or ""),
+                    )
+                allowed, reason = why is not None, why or ""
+        else:
+            non_resource = spec.get("nonResourceAttributes") or {}
+            allowed = denied is not None or (
+                non_resource.get("verb") == "get"
+                and str(non_resource.get("path") or "").startswith(_DISCOVERY_PATHS)
+            )
+        status: Obj = {"allowed": allowed}
+        if reason:
+            status["reason"] = reason
+        return {
+            "kind": "SelfSubjectAccessReview",
+            "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {"creationTimestamp": None},
+            "spec": spec,
+            "status": status,
+        }
 
     def _take_fault(self, verb: str, path: str) -> Fault | None:
         with self._lock:
@@ -1001,6 +1267,96 @@ def _default_secret(secret: Obj) -> Obj:
     return new
 
 
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _token_owner(secret: Obj) -> str | None:
+    """The ServiceAccount a token Secret belongs to, or None for any other Secret."""
+    if secret.get("type") != SA_TOKEN_TYPE:
+        return None
+    name = (secret["metadata"].get("annotations") or {}).get(SA_NAME_ANNOTATION)
+    return str(name) if name else None
+
+
+def _check_role_ref(res: Resource, binding: Obj, old: Obj | None) -> None:
+    """The apiserver's validation of a binding's roleRef (required, and immutable)."""
+    ref = binding.get("roleRef")
+    kinds = ("ClusterRole",) if res.plural == "clusterrolebindings" else ("Role", "ClusterRole")
+    prefix = f'{res.kind}.{res.group} "{binding["metadata"]["name"]}" is invalid: roleRef'
+    problem = None
+    if not isinstance(ref, dict) or not ref.get("name"):
+        problem = ".name: Required value"
+    elif ref.get("apiGroup") != RBAC:
+        problem = (
+            f'.apiGroup: Unsupported value: "{ref.get("apiGroup", "")}": supported values: "{RBAC}"'
+        )
+    elif ref.get("kind") not in kinds:
+        supported = ", ".join(f'"{k}"' for k in kinds)
+        problem = (
+            f'.kind: Unsupported value: "{ref.get("kind", "")}": supported values: {supported}'
+        )
+    elif old is not None and old.get("roleRef") != ref:
+        problem = ": Invalid value: cannot change roleRef; delete the binding and create it anew"
+    if problem is not None:
+        raise KubeError(422, "Invalid", prefix + problem, {"name": binding["metadata"]["name"]})
+
+
+def _binds(binding: Obj, namespace: str, user: str) -> bool:
+    """Whether a (Cluster)RoleBinding's subjects include ServiceAccount user `user`; a
+    RoleBinding's ServiceAccount subjects default to the binding's `namespace`."""
+    _, _, sa_ns, sa_name = user.split(":", 3)
+    groups = {"system:authenticated", "system:serviceaccounts", f"system:serviceaccounts:{sa_ns}"}
+    for subject in binding.get("subjects") or ():
+        kind, name = subject.get("kind"), subject.get("name")
+        if kind == "ServiceAccount":
+            if name == sa_name and (subject.get("namespace") or namespace) == sa_ns:
+                return True
+        elif (kind == "User" and name == user) or (kind == "Group" and name in groups):
+            return True
+    return False
+
+
+@attrs.frozen
+class _Want:
+    """One request as RBAC rules see it; `resource` carries the subresource (`pods/log`)."""
+
+    verb: str
+    group: str
+    resource: str
+    name: str
+
+    def allowed_by(self, rule: Mapping[str, Any]) -> bool:
+        verbs = rule.get("verbs") or ()
+        groups = rule.get("apiGroups") or ()
+        names = rule.get("resourceNames") or ()
+        if not ("*" in verbs or self.verb in verbs) or not ("*" in groups or self.group in groups):
+            return False
+        if names and self.name not in names:
+            return False
+        sub = self.resource.partition("/")[2]
+        # As the real authorizer: "*" is every resource and subresource, "*/log" one
+        # subresource of every resource; "pods/*" is no wildcard.
+        return any(
+            r in ("*", self.resource) or (bool(sub) and r == f"*/{sub}")
+            for r in rule.get("resources") or ()
+        )
+
+
+def _forbidden(user: str, verb: str, res: Resource, ns: str, name: str, sub: str) -> KubeError:
+    resource = f"{res.plural}/{sub}" if sub else res.plural
+    what = f'{res.qualified} "{name}"' if name else res.qualified
+    where = f' in the namespace "{ns}"' if ns else " at the cluster scope"
+    details = {"name": name, "group": res.group, "kind": res.plural}
+    return KubeError(
+        403,
+        "Forbidden",
+        f'{what} is forbidden: User "{user}" cannot {verb} resource "{resource}" in API group '
+        f'"{res.group}"{where}',
+        {k: v for k, v in details.items() if v},
+    )
+
+
 def _default_job(job: Obj) -> Obj:
     """What the apiserver's defaulting adds to a batch/v1 Job on create."""
     meta = job["metadata"]
@@ -1069,6 +1425,13 @@ def _row(res: Resource, obj: Obj) -> list[Any]:
         return [name, state, done, "", _age(obj)]
     if res.plural == "secrets":
         return [name, obj.get("type", ""), len(obj.get("data") or {}), _age(obj)]
+    if res.plural == "serviceaccounts":
+        return [name, len(obj.get("secrets") or ()), _age(obj)]
+    if res.plural in ("roles", "clusterroles"):
+        return [name, obj["metadata"].get("creationTimestamp", "")]
+    if res.plural in ("rolebindings", "clusterrolebindings"):
+        ref = obj.get("roleRef") or {}
+        return [name, f"{ref.get('kind', '')}/{ref.get('name', '')}", _age(obj)]
     return [name, status.get("phase", ""), _age(obj)]
 
 
@@ -1078,6 +1441,11 @@ _COLUMNS = {
     "jobs": ["Name", "Status", "Completions", "Duration", "Age"],
     "secrets": ["Name", "Type", "Data", "Age"],
     "namespaces": ["Name", "Status", "Age"],
+    "serviceaccounts": ["Name", "Secrets", "Age"],
+    "roles": ["Name", "Created At"],
+    "clusterroles": ["Name", "Created At"],
+    "rolebindings": ["Name", "Role", "Age"],
+    "clusterrolebindings": ["Name", "Role", "Age"],
 }
 
 
@@ -1086,7 +1454,7 @@ def _table(res: Resource, objs: Sequence[Obj], list_meta: Obj) -> Obj:
     columns = [
         {
             "name": col,
-            "type": "integer" if col in ("Restarts", "Data") else "string",
+            "type": "integer" if col in ("Restarts", "Data", "Secrets") else "string",
             "format": "name" if col == "Name" else "",
             "description": col,
             "priority": 0,
@@ -1116,6 +1484,86 @@ def _table(res: Resource, objs: Sequence[Obj], list_meta: Obj) -> Obj:
 # ---------------------------------------------------------------- discovery
 
 
+def _subject_review(user: str) -> Obj:
+    """Answers a SelfSubjectReview (what `kubectl auth whoami` sends)."""
+    groups = ["system:authenticated"]
+    if user.startswith("system:serviceaccount:"):
+        namespace = user.split(":")[2]
+        groups[:0] = ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"]
+    return {
+        "kind": "SelfSubjectReview",
+        "apiVersion": "authentication.k8s.io/v1",
+        "metadata": {"creationTimestamp": None},
+        "status": {"userInfo": {"username": user, "groups": groups}},
+    }
+
+
+_GROUPS = ("batch", RBAC, "authorization.k8s.io", "authentication.k8s.io")
+"""The API groups served besides core, all at version v1, in discovery's order."""
+
+_REVIEWS = {
+    "authorization.k8s.io": ("selfsubjectaccessreviews", "SelfSubjectAccessReview"),
+    "authentication.k8s.io": ("selfsubjectreviews", "SelfSubjectReview"),
+}
+"""Create-only kinds that are answered, never stored."""
+
+_SUBRESOURCES = {
+    "pods": (("status", ["get", "patch", "update"]), ("log", ["get"])),
+    "jobs": (("status", ["get", "patch", "update"]),),
+    "nodes": (("status", ["get", "patch", "update"]),),
+    "namespaces": (("status", ["get", "patch", "update"]),),
+}
+
+
+def _group_doc(group: str) -> Obj:
+    version = {"groupVersion": f"{group}/v1", "version": "v1"}
+    return {"name": group, "versions": [version], "preferredVersion": version}
+
+
+def _resource_list(group: str) -> Obj:
+    resources: list[Obj] = []
+    for res in RESOURCES:
+        if res.group != group:
+            continue
+        resources.append(
+            {
+                "name": res.plural,
+                "singularName": res.singular,
+                "namespaced": res.namespaced,
+                "kind": res.kind,
+                "verbs": _VERBS,
+                "shortNames": list(res.short_names),
+            }
+        )
+        for sub, verbs in _SUBRESOURCES.get(res.plural, ()):
+            resources.append(
+                {
+                    "name": f"{res.plural}/{sub}",
+                    "singularName": "",
+                    "namespaced": res.namespaced,
+                    "kind": res.kind,
+                    "verbs": verbs,
+                }
+            )
+    if group in _REVIEWS:
+        plural, kind = _REVIEWS[group]
+        resources.append(
+            {
+                "name": plural,
+                "singularName": plural.removesuffix("s"),
+                "namespaced": False,
+                "kind": kind,
+                "verbs": ["create"],
+            }
+        )
+    return {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": f"{group}/v1" if group else "v1",
+        "resources": resources,
+    }
+
+
 def _discovery(path: str) -> Obj | None:
     if path == "/version":
         return KUBE_VERSION
@@ -1129,54 +1577,15 @@ def _discovery(path: str) -> Obj | None:
         return {
             "kind": "APIGroupList",
             "apiVersion": "v1",
-            "groups": [
-                {
-                    "name": "batch",
-                    "versions": [{"groupVersion": "batch/v1", "version": "v1"}],
-                    "preferredVersion": {"groupVersion": "batch/v1", "version": "v1"},
-                }
-            ],
+            "groups": [_group_doc(group) for group in _GROUPS],
         }
-    if path == "/apis/batch":
-        return {
-            "kind": "APIGroup",
-            "apiVersion": "v1",
-            "name": "batch",
-            "versions": [{"groupVersion": "batch/v1", "version": "v1"}],
-            "preferredVersion": {"groupVersion": "batch/v1", "version": "v1"},
-        }
-    for group_version, group in (("/api/v1", ""), ("/apis/batch/v1", "batch")):
-        if path == group_version:
-            resources = []
-            for res in RESOURCES:
-                if res.group != group:
-                    continue
-                resources.append(
-                    {
-                        "name": res.plural,
-                        "singularName": res.singular,
-                        "namespaced": res.namespaced,
-                        "kind": res.kind,
-                        "verbs": _VERBS,
-                        "shortNames": list(res.short_names),
-                    }
-                )
-                if res.plural in ("pods", "jobs", "nodes", "namespaces"):
-                    resources.append(
-                        {
-                            "name": f"{res.plural}/status",
-                            "singularName": "",
-                            "namespaced": res.namespaced,
-                            "kind": res.kind,
-                            "verbs": ["get", "patch", "update"],
-                        }
-                    )
-            return {
-                "kind": "APIResourceList",
-                "apiVersion": "v1",
-                "groupVersion": group_version.removeprefix("/api/").removeprefix("/apis/"),
-                "resources": resources,
-            }
+    if path == "/api/v1":
+        return _resource_list("")
+    for group in _GROUPS:
+        if path == f"/apis/{group}":
+            return {"kind": "APIGroup", "apiVersion": "v1", **_group_doc(group)}
+        if path == f"/apis/{group}/v1":
+            return _resource_list(group)
     return None
 
 
@@ -1192,8 +1601,8 @@ def _route(path: str) -> _Route | None:
     parts = [p for p in path.split("/") if p]
     if parts[:2] == ["api", "v1"]:
         group, rest = "", parts[2:]
-    elif parts[:3] == ["apis", "batch", "v1"]:
-        group, rest = "batch", parts[3:]
+    elif len(parts) >= 3 and parts[0] == "apis" and parts[1] in _GROUPS and parts[2] == "v1":
+        group, rest = parts[1], parts[3:]
     else:
         return None
     ns = ""
@@ -1206,7 +1615,7 @@ def _route(path: str) -> _Route | None:
         return None
     name = rest[1] if len(rest) > 1 else ""
     sub = rest[2] if len(rest) > 2 else ""
-    if sub not in ("", "status"):
+    if sub not in ("", "status") and (res.plural, sub) != ("pods", "log"):
         return None
     return _Route(res, ns, name, sub)
 
@@ -1265,13 +1674,20 @@ class _Handler(BaseHTTPRequestHandler):
         route = _route(path)
         verb = _verb(method, route, query)
         status = 500
+        content_type = "application/json"
         try:
-            kube._authorize(
-                self.headers.get("Authorization"),
-                verb,
-                route.res if route else None,
-                route.namespace if route else "",
-            )
+            if path in (_ACCESS_REVIEW, _SUBJECT_REVIEW) and method == "POST":
+                # Every authenticated user may ask what it may do and who it is.
+                user, denied = kube._authenticate(self.headers.get("Authorization"))
+            else:
+                user, denied = kube._authorize(
+                    self.headers.get("Authorization"),
+                    verb,
+                    route.res if route else None,
+                    route.namespace if route else "",
+                    route.name if route else "",
+                    route.sub if route else "",
+                )
             fault = kube._take_fault(verb, path)
             if fault is not None and fault.kind == "429":
                 raise KubeError(
@@ -1290,7 +1706,16 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             if fault is not None:
                 time.sleep(fault.delay_s)
-            status, payload = self._answer(kube, method, path, route, query, body)
+            if route is None and method == "POST" and path == _ACCESS_REVIEW:
+                review = kube._access_review(user, denied, body)
+                status, payload = 201, json.dumps(review).encode()
+            elif route is None and method == "POST" and path == _SUBJECT_REVIEW:
+                status, payload = 201, json.dumps(_subject_review(user)).encode()
+            elif route is not None and route.sub == "log":
+                status, payload = 200, kube._pod_log(method, route)
+                content_type = "text/plain"
+            else:
+                status, payload = self._answer(kube, method, path, route, query, body)
         except KubeError as err:
             status = err.code
             self._send(status, json.dumps(err.status()).encode(), err.headers)
@@ -1300,7 +1725,7 @@ class _Handler(BaseHTTPRequestHandler):
             bug = KubeError(500, "InternalError", "Internal error occurred: stand-in bug")
             self._send(status, json.dumps(bug.status()).encode())
         else:
-            self._send(status, payload)
+            self._send(status, payload, content_type=content_type)
         with kube._lock:
             kube.requests.append(RequestRecord(method, verb, path, url.query, status))
 
@@ -1360,9 +1785,15 @@ class _Handler(BaseHTTPRequestHandler):
             return 200, json.dumps(kube._patch(res, ns, name, obj, sub)).encode()
         raise KubeError(405, "MethodNotAllowed", f"{method} is not supported on {path}")
 
-    def _send(self, status: int, payload: bytes, headers: Mapping[str, str] | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        payload: bytes,
+        headers: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> None:
         self.send_response(status, HTTPStatus(status).phrase)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
         self.send_header("Cache-Control", "no-cache, private")
         for key, value in (headers or {}).items():

@@ -387,3 +387,47 @@ def test_missing_or_malformed_credentials_file_is_an_error(tmp_path: Path) -> No
         load_pools([block])
     assert "credentialsFile" in str(info.value)
     assert "s3cr3t" not in str(info.value)
+
+
+def test_pool_credentials_by_name_complete_a_pasted_block() -> None:
+    block = gke_block()
+    key = block["kubernetes"].pop("credentials")
+    (pool,) = load_pools([block], {"gke-a100": key}).pools
+    creds = read_credentials(pool)
+    assert isinstance(creds, GkeCredentials)
+    assert creds.client_email == key["client_email"]
+    assert block["kubernetes"].get("credentials") is None  # the pasted block is untouched
+
+
+def test_pool_credentials_for_no_pool_or_twice_are_refused() -> None:
+    block = gke_block()
+    with pytest.raises(ConfigError, match=r"poolCredentials\.gke-a100: the pool's block already"):
+        load_pools([block], {"gke-a100": sa_key()})
+    with pytest.raises(ConfigError, match=r"poolCredentials\.other: no pool of that name"):
+        load_pools([block], {"other": sa_key()})
+
+
+def test_an_in_cluster_pool_uses_the_pods_service_account(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    block = gke_block(flavor="generic", inCluster=True)
+    for key in ("endpoint", "caData", "credentials"):
+        del block["kubernetes"][key]
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"kubernetes\.inCluster: the controlplane is not running"
+    ):
+        load_pools([block])
+    (tmp_path / "token").write_text("pod-token\n")
+    (tmp_path / "ca.crt").write_bytes(ca_pem())
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    monkeypatch.setenv("LEVERS9_SERVICEACCOUNT_DIR", str(tmp_path))
+    loaded = load_pools([block])
+    (pool,) = loaded.pools
+    assert loaded.warnings == ()
+    assert pool.kubernetes.endpoint == "https://10.96.0.1:443"
+    assert pool.kubernetes.ca_pem == ca_pem()
+    assert read_credentials(pool) == TokenCredentials("pod-token")
+    with pytest.raises(ConfigError, match=r"inCluster: .* remove caData, credentials, endpoint"):
+        load_pools([gke_block(flavor="generic", inCluster=True)])

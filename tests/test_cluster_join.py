@@ -1,0 +1,331 @@
+"""`levers9 cluster join` against the Kubernetes stand-in, which enforces RBAC for
+ServiceAccount tokens: the joined pool's workers start with exactly the rights the join grants,
+the pool is kept (token included) as a Secret in the controlplane's own namespace and comes back
+after a restart, a rerun changes nothing it should keep, and `cluster leave` takes it all away.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from control.join import CLUSTER_RULES, NAMESPACE_RULES, manifests, pool_block
+from control.pools import load_pools
+from tests.cluster import (
+    OWN_NAMESPACE,
+    POOL_LABEL,
+    Cluster,
+    PoolSpec,
+    controlplane_pod,
+    open_cluster,
+)
+from tests.kube_standin import KubeStandin
+from tests.kubelet import SimNode
+from tests.registry_fixtures import SharedRegistry
+
+pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="workers need root (CI runs as root)")
+
+IMAGE = "registry.example.test/levers9/worker:latest"
+
+
+@pytest.fixture
+def in_pod(kube: KubeStandin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The controlplane runs as if in a pod of the stand-in cluster."""
+    directory = tmp_path / "serviceaccount"
+    for key, value in controlplane_pod(kube, directory).items():
+        monkeypatch.setenv(key, value)
+    return directory
+
+
+def rules_of(obj: dict[str, Any] | None) -> list[dict[str, Any]]:
+    assert obj is not None
+    return [
+        {k: list(v) for k, v in rule.items() if k in ("apiGroups", "resources", "verbs")}
+        for rule in obj["rules"]
+    ]
+
+
+def files_containing(root: Path, needle: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+async def join(cluster: Cluster, kubeconfig: Path, *extra: str, check: bool = True) -> Any:
+    return await cluster.cli(
+        "cluster",
+        "join",
+        "gpus",
+        "--image",
+        IMAGE,
+        "--kubeconfig",
+        str(kubeconfig),
+        "--selector",
+        f"{POOL_LABEL}=joined",
+        *extra,
+        workspace="operator",
+        check=check,
+    )
+
+
+async def test_a_joined_cluster_runs_tasks_with_least_rights_and_survives_a_restart(
+    tmp_path: Path,
+    kube: KubeStandin,
+    kubeconfig: Path,
+    in_pod: Path,
+    registry: SharedRegistry,
+) -> None:
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[(SimNode("gpu-node-1", 2), "joined")],
+        pools=[],
+        joined_pools={"inCluster": True},
+    ) as cluster:
+        done = await join(cluster, kubeconfig, "--json")
+        view = json.loads(done.stdout)
+        assert view["name"] == "gpus" and view["source"] == "joined"
+        assert view["namespace"] == "levers9"
+        steps = done.stderr.decode()
+        assert "clusterrole levers9-controlplane-levers9: created" in steps
+        assert "secret levers9/levers9-controlplane-token: created" in steps
+
+        # Exactly the rights the issue lists, and the pool's token is the ServiceAccount's.
+        assert rules_of(kube.get("clusterroles", "levers9-controlplane-levers9")) == [
+            dict(r) for r in CLUSTER_RULES
+        ]
+        assert rules_of(kube.get("roles", "levers9-controlplane", "levers9")) == [
+            dict(r) for r in NAMESPACE_RULES
+        ]
+        token = kube.service_account_token("levers9-controlplane-token", "levers9")
+        assert token
+
+        # The controlplane reconciles with that token (the stand-in enforces its RBAC): a
+        # worker Job, its agent registered, and a task runs there.
+        (worker,) = await cluster.wait_workers(1)
+        assert [j["metadata"]["name"] for j in kube.jobs("levers9")] == [worker]
+        async with cluster.client() as client:
+            from control.models import TaskRequest
+
+            task = await client.create_task(
+                TaskRequest(image=registry.busybox, command=("echo", "joined"), cards=1)
+            )
+            finished = await client.wait_task(task.id)
+        assert finished.state == "succeeded", finished
+
+        # Kept as a Secret in the controlplane's namespace; never on the controlplane's disk.
+        (kept,) = [
+            s for s in kube.secrets(OWN_NAMESPACE) if s["metadata"]["name"] == "levers9-pool-gpus"
+        ]
+        block = json.dumps(kept["data"])
+        assert token not in block  # base64 inside, as Kubernetes keeps Secret data
+        assert files_containing(cluster.root, token.encode()) == []
+
+        # A rerun keeps the ServiceAccount and its token and doubles nothing.
+        again = await join(cluster, kubeconfig)
+        assert "serviceaccount levers9/levers9-controlplane: exists, kept" in again.stderr.decode()
+        assert "clusterrole levers9-controlplane-levers9: updated" in again.stderr.decode()
+        assert kube.service_account_token("levers9-controlplane-token", "levers9") == token
+        assert len(kube.jobs("levers9")) == 1
+
+        # A restarted controlplane reads the pool back and adopts its worker.
+        await cluster.restart_controlplane()
+        listed = await cluster.cli("cluster", "list", "--json", workspace="operator")
+        (pool,) = json.loads(listed.stdout)
+        assert pool["name"] == "gpus" and pool["source"] == "joined"
+        assert await cluster.wait_workers(1) == [worker]
+
+        # Leaving removes the workers, then the access: the old token no longer works.
+        left = await cluster.cli(
+            "cluster",
+            "leave",
+            "gpus",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--delete-namespace",
+            workspace="operator",
+        )
+        assert "clusterrole levers9-controlplane-levers9: deleted" in left.stderr.decode()
+        assert kube.jobs("levers9") == []
+        assert kube.get("clusterroles", "levers9-controlplane-levers9") is None
+        assert not [
+            s for s in kube.secrets(OWN_NAMESPACE) if "levers9-pool" in s["metadata"]["name"]
+        ]
+        listed = await cluster.cli("cluster", "list", "--json", workspace="operator")
+        assert json.loads(listed.stdout) == []
+        with pytest.raises(k8s.ApiException) as denied:
+            k8s.CoreV1Api(kube.api_client(token=token)).list_node()
+        assert denied.value.status == 401
+
+
+async def test_join_refuses_before_touching_the_cluster(
+    tmp_path: Path, kube: KubeStandin, kubeconfig: Path, in_pod: Path
+) -> None:
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[],
+        pools=[PoolSpec("config-pool")],
+        joined_pools={"inCluster": True},
+    ) as cluster:
+        # A workspace token is not an operator token.
+        denied = await cluster.cli(
+            "cluster",
+            "join",
+            "gpus",
+            "--image",
+            IMAGE,
+            "--kubeconfig",
+            str(kubeconfig),
+            check=False,
+        )
+        assert denied.returncode == 1
+        assert "PERMISSION_DENIED" in denied.stderr.decode()
+        # A configured pool's name is not taken over.
+        clash = await cluster.cli(
+            "cluster",
+            "join",
+            "config-pool",
+            "--image",
+            IMAGE,
+            "--kubeconfig",
+            str(kubeconfig),
+            workspace="operator",
+            check=False,
+        )
+        assert clash.returncode == 1
+        assert "comes from config.worker.pools" in clash.stderr.decode()
+        # hostNetwork false needs the tunnel.
+        usage = await join(cluster, kubeconfig, "--no-host-network", check=False)
+        assert usage.returncode == 2
+        assert "--no-host-network needs --tunnel" in usage.stderr.decode()
+        # (the namespace is the configured pool's; the join made nothing)
+        assert kube.get("serviceaccounts", "levers9-controlplane", "levers9") is None
+        assert kube.get("clusterroles", "levers9-controlplane-levers9") is None
+
+
+async def test_join_with_an_identity_that_may_not_create_roles_says_so(
+    tmp_path: Path, kube: KubeStandin, in_pod: Path
+) -> None:
+    # The operator's context is a ServiceAccount that may create namespaces and nothing else.
+    meta = {"name": "intern", "namespace": "default"}
+    kube.create("serviceaccounts", {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta})
+    kube.create(
+        "clusterroles",
+        {
+            "metadata": {"name": "ns-maker"},
+            "rules": [{"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "create"]}],
+        },
+    )
+    kube.create(
+        "clusterrolebindings",
+        {
+            "metadata": {"name": "ns-maker"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "ns-maker",
+            },
+            "subjects": [{"kind": "ServiceAccount", **meta}],
+        },
+    )
+    kube.create(
+        "secrets",
+        {
+            "type": "kubernetes.io/service-account-token",
+            "metadata": {
+                "name": "intern-token",
+                "namespace": "default",
+                "annotations": {"kubernetes.io/service-account.name": "intern"},
+            },
+        },
+    )
+    token = kube.service_account_token("intern-token", "default")
+    assert token
+    limited = kube.write_kubeconfig(tmp_path / "limited-kubeconfig", token=token)
+    async with open_cluster(
+        tmp_path / "cluster", kube, nodes=[], pools=[], joined_pools={"inCluster": True}
+    ) as cluster:
+        done = await join(cluster, limited, check=False)
+    message = done.stderr.decode()
+    assert done.returncode == 1
+    assert "is not allowed to (403)" in message
+    assert "cluster-admin" in message
+    assert token not in message
+
+
+async def test_a_joined_pool_block_is_refused_with_the_field_named(
+    tmp_path: Path, kube: KubeStandin, in_pod: Path
+) -> None:
+    async with (
+        open_cluster(
+            tmp_path / "cluster", kube, nodes=[], pools=[], joined_pools={"inCluster": True}
+        ) as cluster,
+        cluster.client("operator") as client,
+    ):
+        from agent.models import ApiError
+
+        block = pool_block(
+            name="gpus",
+            flavor="generic",
+            endpoint="http://plain.example",
+            ca_pem=kube.ca_pem,
+            token="t0ken-value",
+            namespace="levers9",
+            selector={},
+            tunnel=False,
+            host_network=True,
+            image=IMAGE,
+        )
+        with pytest.raises(ApiError) as refused:
+            await client.put_pool("gpus", block)
+        assert "kubernetes.endpoint" in refused.value.message
+        assert "t0ken-value" not in refused.value.message
+        assert (await client.pools()).pools == ()
+    assert not [s for s in kube.secrets(OWN_NAMESPACE) if "levers9-pool" in s["metadata"]["name"]]
+
+
+def test_the_join_manifests_grant_only_what_the_controlplane_uses() -> None:
+    kinds = [kind for kind, _ in manifests("levers9")]
+    assert kinds == [
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "Secret",
+    ]
+    rules = [r for _, m in manifests("levers9") for r in m.get("rules", ())]
+    for rule in rules:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+    cluster_resources = {res for r in CLUSTER_RULES for res in r["resources"]}
+    assert cluster_resources == {"nodes", "pods"}
+
+
+def test_a_joined_block_loads_as_a_configured_one() -> None:
+    import trustme
+
+    block = pool_block(
+        name="gpus",
+        flavor="gke",
+        endpoint="https://34.0.0.10",
+        ca_pem=trustme.CA().cert_pem.bytes(),
+        token="sa-token",
+        namespace="levers9",
+        selector={"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
+        tunnel=True,
+        host_network=False,
+        image=IMAGE,
+    )
+    (pool,) = load_pools([block]).pools
+    assert pool.kubernetes.tunnel and not pool.kubernetes.host_network
+    assert "sa-token" not in repr(pool)
+    assert base64.b64decode(block["kubernetes"]["caData"]).startswith(b"-----BEGIN")

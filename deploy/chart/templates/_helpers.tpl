@@ -1,0 +1,162 @@
+{{/*
+Names, labels, the container port and the checks every template runs first. The checks live
+here, not in the controlplane alone, so that a bad values file fails at `helm upgrade` with the
+field named instead of as a crash-looping pod.
+*/}}
+
+{{- define "levers9.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "levers9.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "levers9.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "levers9.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "levers9.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "levers9.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: controlplane
+{{- end }}
+
+{{- define "levers9.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "levers9.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The container port: the port of config.listen (HOST:PORT). */}}
+{{- define "levers9.port" -}}
+{{- regexReplaceAll "^.*:" (toString .Values.config.listen) "" }}
+{{- end }}
+
+{{/* The pools of config.worker.pools as a list (empty when unset). */}}
+{{- define "levers9.pools" -}}
+{{- $worker := .Values.config.worker | default dict }}
+{{- toJson ($worker.pools | default list) }}
+{{- end }}
+
+{{/*
+Namespaces of this cluster where workers run: each inCluster pool's namespace (default
+levers9) and rbac.workerNamespaces, each once, sorted. A JSON list.
+*/}}
+{{- define "levers9.workerNamespaces" -}}
+{{- $seen := dict }}
+{{- range (include "levers9.pools" . | fromJsonArray) }}
+{{- $kube := .kubernetes | default dict }}
+{{- if $kube.inCluster }}
+{{- $_ := set $seen ($kube.namespace | default "levers9") true }}
+{{- end }}
+{{- end }}
+{{- range .Values.rbac.workerNamespaces }}
+{{- $_ := set $seen . true }}
+{{- end }}
+{{- toJson (keys $seen | sortAlpha) }}
+{{- end }}
+
+{{/*
+The namespace holding pools joined by `levers9 cluster join`, or "" when joined pools are not
+kept in this cluster.
+*/}}
+{{- define "levers9.joinedPoolsNamespace" -}}
+{{- $joined := .Values.config.joinedPools | default dict }}
+{{- if $joined.inCluster }}
+{{- $joined.namespace | default .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* Refuse values the controlplane cannot run with; each message names the field. */}}
+{{- define "levers9.validate" -}}
+{{- $private := "move them under secretConfig in your private values file (kept outside the repository), which the chart puts in a Secret" }}
+{{- if ne (int .Values.replicaCount) 1 }}
+{{- fail (printf "replicaCount: %v is not supported; the controlplane keeps its task database in one SQLite file on a ReadWriteOnce volume, so set replicaCount: 1" .Values.replicaCount) }}
+{{- end }}
+{{- if not (kindIs "map" .Values.config) }}
+{{- fail "config: must be a mapping of the controlplane's settings (publicUrl, listen, worker...); see the chart's values.yaml" }}
+{{- end }}
+{{- $c := .Values.config }}
+{{- if not $c.publicUrl }}
+{{- fail "config.publicUrl is empty; set it to the https:// URL that workers and the CLI dial (the Service's address under your DNS name), e.g. config.publicUrl: https://levers9.example.com" }}
+{{- end }}
+{{- if not (hasPrefix "https://" (toString $c.publicUrl)) }}
+{{- fail (printf "config.publicUrl: %q must start with https://; the controlplane serves only HTTPS" (toString $c.publicUrl)) }}
+{{- end }}
+{{- if not (regexMatch "^.+:[0-9]{1,5}$" (toString $c.listen)) }}
+{{- fail (printf "config.listen: %q must be HOST:PORT, e.g. 0.0.0.0:8443" (toString $c.listen)) }}
+{{- end }}
+{{- if not .Values.tls.secretName }}
+{{- fail "tls.secretName is empty; make a kubernetes.io/tls Secret for config.publicUrl's host in the release namespace (kubectl create secret tls NAME --cert=FILE --key=FILE, or cert-manager) and set tls.secretName: NAME" }}
+{{- end }}
+{{- if not (and $c.database $c.database.path) }}
+{{- fail "config.database.path is empty; give the task database's file path, e.g. /var/lib/levers9-control/tasks.db (its directory is the volume's mount point)" }}
+{{- end }}
+{{- if $c.apiTokens }}
+{{- fail (printf "config.apiTokens: API tokens are secrets and must not be in the ConfigMap; %s" $private) }}
+{{- end }}
+{{- if $c.workspaces }}
+{{- fail (printf "config.workspaces: workspaces hold tokens and bucket keys and must not be in the ConfigMap; %s" $private) }}
+{{- end }}
+{{- $worker := $c.worker | default dict }}
+{{- if not (kindIs "map" $worker) }}
+{{- fail "config.worker: must be a mapping (pools, connectTimeoutS...)" }}
+{{- end }}
+{{- if $worker.tokens }}
+{{- fail (printf "config.worker.tokens: worker tokens are secrets and must not be in the ConfigMap; %s" $private) }}
+{{- end }}
+{{- if $worker.poolCredentials }}
+{{- fail (printf "config.worker.poolCredentials: pool keys must not be in the ConfigMap; %s" $private) }}
+{{- end }}
+{{- $pools := $worker.pools | default list }}
+{{- if not (kindIs "slice" $pools) }}
+{{- fail "config.worker.pools: must be a list of pool blocks (- name: ..., kubernetes: {...})" }}
+{{- end }}
+{{- $names := dict }}
+{{- range $i, $pool := $pools }}
+{{- if not (kindIs "map" $pool) }}
+{{- fail (printf "config.worker.pools[%d]: must be a pool block (a mapping with name: and kubernetes:)" $i) }}
+{{- end }}
+{{- if not (and $pool.name (kindIs "string" $pool.name)) }}
+{{- fail (printf "config.worker.pools[%d].name: is missing; give each pool a name (a DNS label, e.g. gke-a100)" $i) }}
+{{- end }}
+{{- $where := printf "config.worker.pools[%s]" $pool.name }}
+{{- if hasKey $names $pool.name }}
+{{- fail (printf "%s.name: the pool name appears twice; give each pool its own name" $where) }}
+{{- end }}
+{{- $_ := set $names $pool.name true }}
+{{- if not (kindIs "map" $pool.kubernetes) }}
+{{- fail (printf "%s.kubernetes: is missing; paste the whole block attach-gke-pool.sh printed" $where) }}
+{{- end }}
+{{- $kube := $pool.kubernetes }}
+{{- if hasKey $kube "credentials" }}
+{{- fail (printf "%s.kubernetes.credentials: the pool's key must not be in the ConfigMap; move it to secretConfig.worker.poolCredentials.%s in your private values file (kept outside the repository), or use kubernetes.credentialsFile, or join the cluster with `levers9 cluster join`" $where $pool.name) }}
+{{- end }}
+{{- $hostNetwork := true }}
+{{- if hasKey $kube "hostNetwork" }}
+{{- $hostNetwork = $kube.hostNetwork }}
+{{- end }}
+{{- $tunnel := false }}
+{{- if hasKey $kube "tunnel" }}
+{{- $tunnel = $kube.tunnel }}
+{{- end }}
+{{- if and (not $hostNetwork) (not $tunnel) }}
+{{- fail (printf "%s.kubernetes.hostNetwork: false needs tunnel: true (nothing outside the cluster can dial a pod address); set tunnel: true or hostNetwork: true" $where) }}
+{{- end }}
+{{- end }}
+{{- end }}

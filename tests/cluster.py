@@ -48,8 +48,25 @@ class PoolSpec:
 
     name: str
     tunnel: bool = False
+    in_cluster: bool = False
+    """The controlplane's own cluster, reached with its pod's ServiceAccount."""
 
     def block(self, kube: KubeStandin) -> dict[str, Any]:
+        if self.in_cluster:
+            return {
+                "name": self.name,
+                "provider": "kubernetes",
+                "kubernetes": {
+                    "inCluster": True,
+                    "flavor": "generic",
+                    "namespace": "levers9",
+                    "image": "registry.example.test/levers9/worker:latest",
+                    "selector": {POOL_LABEL: self.name},
+                    "tunnel": self.tunnel,
+                    "hostNetwork": not self.tunnel,
+                    "reconcileSeconds": 1.0,
+                },
+            }
         return {
             "name": self.name,
             "provider": "kubernetes",
@@ -99,23 +116,32 @@ def controlplane_pod(kube: KubeStandin, directory: Path) -> dict[str, str]:
             "subjects": [{"kind": "ServiceAccount", **meta}],
         },
     )
+    return pod_environment(kube, OWN_NAMESPACE, meta["name"], directory)
+
+
+def pod_environment(
+    kube: KubeStandin, namespace: str, service_account: str, directory: Path
+) -> dict[str, str]:
+    """A token for an existing ServiceAccount, mounted into `directory` as the kubelet mounts
+    it into a pod, and the environment that pod gets."""
+    secret = f"{service_account}-token"
     kube.create(
         "secrets",
         {
             "type": "kubernetes.io/service-account-token",
             "metadata": {
-                "name": "levers9-control-token",
-                "namespace": OWN_NAMESPACE,
-                "annotations": {"kubernetes.io/service-account.name": meta["name"]},
+                "name": secret,
+                "namespace": namespace,
+                "annotations": {"kubernetes.io/service-account.name": service_account},
             },
         },
     )
-    token = kube.service_account_token("levers9-control-token", OWN_NAMESPACE)
-    assert token
+    token = kube.service_account_token(secret, namespace)
+    assert token, f"no token for ServiceAccount {namespace}/{service_account}"
     directory.mkdir(parents=True)
     (directory / "token").write_text(token)
     (directory / "ca.crt").write_bytes(kube.ca_pem)
-    (directory / "namespace").write_text(OWN_NAMESPACE)
+    (directory / "namespace").write_text(namespace)
     return {
         "KUBERNETES_SERVICE_HOST": "127.0.0.1",
         "KUBERNETES_SERVICE_PORT": kube.url.rsplit(":", 1)[1],

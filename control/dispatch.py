@@ -321,6 +321,11 @@ class Dispatcher:
     def has_tasks(self, worker_id: str) -> bool:
         return bool(self._holding.get(worker_id))
 
+    @property
+    def watchers(self) -> int:
+        """How many task watchers run (a task being placed, followed or cleaned up)."""
+        return len(self._watches)
+
     # -- what users ask ---------------------------------------------------------------------
 
     def view(self, record: TaskRecord) -> TaskView:

@@ -370,6 +370,14 @@ async def open_cluster(
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(30):
                 await cluster.remove_containers()
+                # Let the task watchers finish their (shielded) clean-up while the controlplane
+                # still has its connections to the workers; stopped mid-way, each would retry
+                # an unreachable worker for lostAfterS.
+                with trio.move_on_after(5):
+                    while True:
+                        if cluster.control is None or not cluster.control.dispatcher.watchers:
+                            break
+                        await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
 
 

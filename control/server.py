@@ -203,6 +203,14 @@ class Controlplane:
                 )
             return self.joined
 
+        def refuse_configured(name: str, advice: str) -> None:
+            if any(pool.name == name for pool in self.config_pools):
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"pool {name} comes from config.worker.pools; {advice}",
+                    field="name",
+                )
+
         async def list_pools(request: Request) -> PoolList:
             require_api(request)
             return PoolList(tuple(self.pool_views()), joined_pools=self.joined is not None)
@@ -210,13 +218,7 @@ class Controlplane:
         async def put_pool(request: Request) -> PoolView:
             require_api(request)
             name = request.params["name"]
-            if any(pool.name == name for pool in self.config_pools):
-                raise ApiError(
-                    ErrorCode.FAILED_PRECONDITION,
-                    f"pool {name} comes from config.worker.pools; change it in the values, or "
-                    "join this cluster under another name",
-                    field="name",
-                )
+            refuse_configured(name, "change it in the values, or join under another name")
             block = _json_mapping(await request.body())
             if block.get("name", name) != name:
                 raise ApiError(
@@ -234,13 +236,7 @@ class Controlplane:
         async def delete_pool(request: Request) -> PoolView:
             require_api(request)
             name = request.params["name"]
-            if any(pool.name == name for pool in self.config_pools):
-                raise ApiError(
-                    ErrorCode.FAILED_PRECONDITION,
-                    f"pool {name} comes from config.worker.pools; delete its block from the "
-                    "values and deploy",
-                    field="name",
-                )
+            refuse_configured(name, "delete its block from the values and deploy")
             store = joined_store()
             views = [v for v in self.pool_views() if v.name == name]
             if not views:

@@ -9,7 +9,6 @@ refusals that name the field, and RBAC no wider than the pools need.
 from __future__ import annotations
 
 import base64
-import datetime
 import subprocess
 import sys
 from functools import cache
@@ -18,13 +17,12 @@ from typing import Any
 
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from control.config import ControlConfig, load_files, merge
 from control.pools import GkeCredentials, load_pools
+from tests.test_pools import ca_pem
 
 HELM = Path(sys.executable).parent / "helm"
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "chart"
@@ -38,22 +36,8 @@ SECRET_ACCESS_KEY = "bucket-secret-access-key-5e6f7a8b"
 PRIVATE_KEY_ID = "sa-private-key-id-3c4d5e"
 
 
-@cache
 def ca_data() -> str:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "chart test cluster CA")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(1)
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )
-    return base64.b64encode(cert.public_bytes(serialization.Encoding.PEM)).decode()
+    return base64.b64encode(ca_pem()).decode()
 
 
 @cache

@@ -57,11 +57,18 @@ def files_containing(root: Path, needle: bytes) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
-async def join(cluster: Cluster, kubeconfig: Path, *extra: str, check: bool = True) -> Any:
+async def join(
+    cluster: Cluster,
+    kubeconfig: Path,
+    *extra: str,
+    name: str = "gpus",
+    workspace: str = "operator",
+    check: bool = True,
+) -> Any:
     return await cluster.cli(
         "cluster",
         "join",
-        "gpus",
+        name,
         "--image",
         IMAGE,
         "--kubeconfig",
@@ -69,7 +76,7 @@ async def join(cluster: Cluster, kubeconfig: Path, *extra: str, check: bool = Tr
         "--selector",
         f"{POOL_LABEL}=joined",
         *extra,
-        workspace="operator",
+        workspace=workspace,
         check=check,
     )
 
@@ -175,30 +182,11 @@ async def test_join_refuses_before_touching_the_cluster(
         joined_pools={"inCluster": True},
     ) as cluster:
         # A workspace token is not an operator token.
-        denied = await cluster.cli(
-            "cluster",
-            "join",
-            "gpus",
-            "--image",
-            IMAGE,
-            "--kubeconfig",
-            str(kubeconfig),
-            check=False,
-        )
+        denied = await join(cluster, kubeconfig, workspace="team-a", check=False)
         assert denied.returncode == 1
         assert "PERMISSION_DENIED" in denied.stderr.decode()
         # A configured pool's name is not taken over.
-        clash = await cluster.cli(
-            "cluster",
-            "join",
-            "config-pool",
-            "--image",
-            IMAGE,
-            "--kubeconfig",
-            str(kubeconfig),
-            workspace="operator",
-            check=False,
-        )
+        clash = await join(cluster, kubeconfig, name="config-pool", check=False)
         assert clash.returncode == 1
         assert "comes from config.worker.pools" in clash.stderr.decode()
         # hostNetwork false needs the tunnel.

@@ -227,6 +227,19 @@ class Controlplane:
                     field="name",
                 )
             store = joined_store()
+            kept = store.blocks.get(name, {}).get("kubernetes", {})
+            given = block.get("kubernetes")
+            if (
+                kept
+                and isinstance(given, Mapping)
+                and kept.get("endpoint") != given.get("endpoint")
+            ):
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"pool {name} is joined from {kept.get('endpoint')}; another cluster needs "
+                    f"another name, or `levers9 cluster leave {name}` first",
+                    field="kubernetes.endpoint",
+                )
             async with self._pools_lock:
                 pool = await store.put({**block, "name": name})
                 await self.set_pools([*self.config_pools, *store.pools()])

@@ -276,7 +276,19 @@ async def test_a_joined_pool_block_is_refused_with_the_field_named(
         assert "kubernetes.endpoint" in refused.value.message
         assert "t0ken-value" not in refused.value.message
         assert (await client.pools()).pools == ()
-    assert not [s for s in kube.secrets(OWN_NAMESPACE) if "levers9-pool" in s["metadata"]["name"]]
+        assert not [
+            s for s in kube.secrets(OWN_NAMESPACE) if "levers9-pool" in s["metadata"]["name"]
+        ]
+        # A second cluster under a joined pool's name would orphan the first one's workers.
+        block["kubernetes"]["endpoint"] = kube.url
+        await client.put_pool("gpus", block)
+        block["kubernetes"]["endpoint"] = "https://other-cluster.example:6443"
+        with pytest.raises(ApiError) as taken:
+            await client.put_pool("gpus", block)
+        assert f"pool gpus is joined from {kube.url}" in taken.value.message
+        assert "levers9 cluster leave gpus" in taken.value.message
+        (view,) = (await client.pools()).pools
+        assert view.endpoint == kube.url
 
 
 def test_the_join_manifests_grant_only_what_the_controlplane_uses() -> None:

@@ -56,6 +56,9 @@ SCHEDULE_EVERY_S = 2.0
 PROGRESS_EVERY_S = 0.25
 RETRY_EVERY_S = 0.5
 CLEANUP_S = 30.0
+STOP_GRACE_S = 5.0
+"""How long a stopping controlplane lets clean-ups under way finish; then they are cut short
+(their containers are removed by the next controlplane's first sync of each worker)."""
 LOG_KEEP_BYTES = 4 << 20
 """The most of an ended task's log the controlplane keeps (its end, in whole lines)."""
 
@@ -164,6 +167,8 @@ class Dispatcher:
         self._synced: set[str] = set()
         self._wake = trio.Event()
         self._changed = trio.lowlevel.ParkingLot()
+        self._cleanups: set[trio.CancelScope] = set()
+        self._cleanup_ended = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
         self.on_ended: list[Callable[[str], Awaitable[object]]] = []
         """Called with a task's id once its watcher is done (its container is gone)."""
@@ -190,6 +195,16 @@ class Dispatcher:
                         log.warning("scheduling pass failed: %s", exc.message)
             finally:
                 self.registry.listeners.remove(self.wake)
+                await self._cut_cleanups()
+
+    async def _cut_cleanups(self) -> None:
+        """Stopping: clean-ups under way (shielded) get `STOP_GRACE_S`, then are cancelled, so
+        one that cannot reach its worker does not hold the shutdown for `CLEANUP_S`."""
+        with trio.CancelScope(shield=True), trio.move_on_after(STOP_GRACE_S):
+            while self._cleanups:
+                await self._cleanup_ended.park()
+        for scope in self._cleanups:
+            scope.cancel()
 
     def wake(self) -> None:
         self._wake.set()
@@ -642,7 +657,8 @@ class Dispatcher:
         assert record.worker is not None
         worker = record.worker
         task_id = record.id
-        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
+        with trio.CancelScope(shield=True) as shield, trio.move_on_after(CLEANUP_S):
+            self._cleanups.add(shield)
             try:
                 if stop:
                     await self.on_worker(worker, lambda c: c.stop_container(task_id))
@@ -662,3 +678,8 @@ class Dispatcher:
                     log.warning(
                         "task %s: cleaning up on worker %s failed: %s", task_id, worker, exc
                     )
+            finally:
+                self._cleanups.discard(shield)
+                self._cleanup_ended.unpark_all()
+        if shield.cancelled_caught:
+            log.info("task %s: clean-up on worker %s cut short: stopping", task_id, worker)

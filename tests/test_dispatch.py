@@ -1,17 +1,32 @@
 """The dispatcher's pure decisions: which workers take tasks and with how much free, what a
-container's end means for its task, how much of a log is kept; and the task routes' input
-checks."""
+container's end means for its task, how much of a log is kept; the task routes' input checks;
+and how a stopping dispatcher bounds the clean-ups under way."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
+import trio
+import trio.testing
 
 from agent.models import ApiError, ContainerStatus, ErrorCode
-from control.dispatch import Hold, capacities, is_ready, keep_tail, outcome
+from control.dispatch import (
+    CLEANUP_S,
+    STOP_GRACE_S,
+    Dispatcher,
+    Hold,
+    capacities,
+    is_ready,
+    keep_tail,
+    outcome,
+)
 from control.models import TaskRequest
-from control.registry import WorkerEntry
+from control.registry import WorkerEntry, WorkerRegistry
 from control.task_routes import query_limit, query_states, spec_of, workspace_of
-from control.tasks import Exited, Failed, TaskState
+from control.tasks import Exited, Failed, TaskRecord, TaskSpec, TaskState, open_task_store
+from control.workspaces import Workspaces
 
 NOW = 1_000.0
 
@@ -104,3 +119,43 @@ def test_an_image_reference_is_checked_when_the_task_is_created() -> None:
         spec_of(TaskRequest(image="Not A Reference!"), ())
     assert info.value.field == "image"
     assert "Not A Reference!" in info.value.message
+
+
+async def test_a_stopping_dispatcher_cuts_short_a_clean_up_that_cannot_reach_its_worker(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A clean-up is shielded so that a task's container is removed even while its watcher is
+    cancelled; when the controlplane stops, one whose worker does not answer gets
+    `STOP_GRACE_S`, not `CLEANUP_S`, so SIGTERM is not held up."""
+    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
+        registry = WorkerRegistry({"w1": "token"}, nursery)  # known, never connects
+        dispatcher = Dispatcher(store, registry, Workspaces(()), lost_after_s=120)
+        scope = trio.CancelScope()
+        stopped = trio.Event()
+
+        async def serve(task_status: trio.TaskStatus[None]) -> None:
+            try:
+                with scope:
+                    await dispatcher.run(task_status=task_status)
+            finally:
+                stopped.set()
+
+        await nursery.start(serve)
+        record = TaskRecord(
+            id="t-1",
+            workspace="a",
+            spec=TaskSpec(image="busybox"),
+            state=TaskState.CANCELLED,
+            created_at=0.0,
+            worker="w1",
+        )
+        # As a cancelled task's watcher does: stop the container, keep its log, delete it.
+        assert dispatcher._nursery is not None
+        dispatcher._nursery.start_soon(functools.partial(dispatcher._clean_up, stop=True), record)
+        await trio.sleep(1)
+        asked_at = trio.current_time()
+        scope.cancel()
+        await stopped.wait()
+        assert trio.current_time() - asked_at == pytest.approx(STOP_GRACE_S)
+        assert STOP_GRACE_S < CLEANUP_S
+        nursery.cancel_scope.cancel()

@@ -41,9 +41,9 @@ import attrs
 import trio
 
 from agent import __version__, models
-from agent.models import ApiError, ExecRequest, ExecResize, LogLine, PullStatus
+from agent.models import ApiError, ExecRequest, ExecResize, LogLine, PullStatus, WorkerSummary
 from control.client import ControlClient, ControlClientError, open_control_client
-from control.models import TaskRequest, TaskView, TaskVolume
+from control.models import PoolView, TaskRequest, TaskView, TaskVolume
 
 T = TypeVar("T")
 
@@ -531,28 +531,39 @@ async def _interruptible(work: Callable[[], Awaitable[T]]) -> T | _Interrupted:
     return result
 
 
+def show_list(
+    as_json: bool,
+    items: Sequence[T],
+    headers: Sequence[str],
+    row: Callable[[T], Sequence[str]],
+) -> None:
+    """A listing as a table for people, or (`--json`) as a JSON list of the wire objects."""
+    if as_json:
+        print(json.dumps([models.unstructure(item) for item in items], indent=2))
+        return
+    print(_table(headers, [row(item) for item in items]))
+
+
+WORKER_HEADERS = ("worker", "mode", "connected", "node", "cards", "address", "version", "age")
+
+
+def worker_row(w: WorkerSummary) -> list[str]:
+    return [
+        w.worker_id,
+        w.mode,
+        "yes" if w.connected else "no",
+        w.node or "-",
+        str(w.cards),
+        w.address or "-",
+        w.version or "-",
+        _age(w.registered_at),
+    ]
+
+
 async def worker_list(args: argparse.Namespace) -> None:
     async with _client(args) as client:
         result = await _timed(client.workers())
-    if args.json:
-        print(json.dumps(models.unstructure(result)["workers"], indent=2))
-        return
-    rows = [
-        [
-            w.worker_id,
-            w.mode,
-            "yes" if w.connected else "no",
-            w.node or "-",
-            str(w.cards),
-            w.address or "-",
-            w.version or "-",
-            _age(w.registered_at),
-        ]
-        for w in result.workers
-    ]
-    print(
-        _table(["worker", "mode", "connected", "node", "cards", "address", "version", "age"], rows)
-    )
+    show_list(args.json, result.workers, WORKER_HEADERS, worker_row)
 
 
 async def worker_get(args: argparse.Namespace) -> None:
@@ -708,31 +719,26 @@ async def cluster_join(args: argparse.Namespace) -> None:
     print("its nodes show up in 'levers9 machine list' within a reconcile (about 15 s)")
 
 
+POOL_HEADERS = ("POOL", "SOURCE", "FLAVOR", "ENDPOINT", "NAMESPACE", "MODE", "MACHINES", "ERROR")
+
+
+def pool_row(v: PoolView) -> list[str]:
+    return [
+        v.name,
+        v.source,
+        v.flavor,
+        v.endpoint,
+        v.namespace,
+        "tunnel" if v.tunnel else "direct",
+        str(v.machines),
+        v.error or "-",
+    ]
+
+
 async def cluster_list(args: argparse.Namespace) -> None:
     async with _client(args) as client:
         listing = await _timed(client.pools())
-    if args.json:
-        print(json.dumps(models.unstructure(listing)["pools"], indent=2))
-        return
-    rows = [
-        [
-            v.name,
-            v.source,
-            v.flavor,
-            v.endpoint,
-            v.namespace,
-            "tunnel" if v.tunnel else "direct",
-            str(v.machines),
-            v.error or "-",
-        ]
-        for v in listing.pools
-    ]
-    print(
-        _table(
-            ["POOL", "SOURCE", "FLAVOR", "ENDPOINT", "NAMESPACE", "MODE", "MACHINES", "ERROR"],
-            rows,
-        )
-    )
+    show_list(args.json, listing.pools, POOL_HEADERS, pool_row)
 
 
 async def cluster_leave(args: argparse.Namespace) -> None:
@@ -857,11 +863,8 @@ async def task_list(args: argparse.Namespace) -> None:
     limit = parse_count(args.limit, "--limit", minimum=1)
     async with _client(args) as client:
         tasks = await _timed(client.tasks(states, limit))
-    if args.json:
-        print(json.dumps([models.unstructure(t) for t in tasks], indent=2))
-        return
     now = time.time()
-    print(_table(TASK_HEADERS, [task_row(t, now) for t in tasks]))
+    show_list(args.json, tasks, TASK_HEADERS, lambda t: task_row(t, now))
 
 
 async def task_get(args: argparse.Namespace) -> None:

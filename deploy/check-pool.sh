@@ -361,20 +361,30 @@ check_gpu_job() {
 
 SERVER_ID=""
 
-# A task serving HTTP on 8080 (and echo on 9000), then a GET through its endpoint URL.
-check_endpoint() {
-    local what="endpoint" id url code version deadline
-    start "$what" --port 8080 "$SERVE_IMAGE" -- sh -c "$SERVE_CMD" || return 1
-    id="$TASK_ID"
-    echo "     task $id: waiting for it to run (at most ${TIMEOUT_S} s)"
-    if ! wait_task "$id" running; then
-        fail "$what" "$(late_reason "$id")"
+# Start a task (the arguments after the first three go to `levers9 run`) and wait until it
+# runs; TASK_ID names it. A task still not running, or one that ended, fails STEP with the
+# record's reason, ENDED before it and SUFFIX after.
+start_running() {
+    local what=$1 ended=$2 suffix=$3
+    shift 3
+    start "$what" "$@" || return 1
+    echo "     task $TASK_ID: waiting for it to run (at most ${TIMEOUT_S} s)"
+    if ! wait_task "$TASK_ID" running; then
+        fail "$what" "$(late_reason "$TASK_ID")"
         return 1
     fi
     if [[ "$T_STATE" != running ]]; then
-        fail "$what" "the serving task ended: $(ended_reason "$id"); check --serve-cmd"
+        fail "$what" "$ended: $(ended_reason "$TASK_ID")$suffix"
         return 1
     fi
+}
+
+# A task serving HTTP on 8080 (and echo on 9000), then a GET through its endpoint URL.
+check_endpoint() {
+    local what="endpoint" id url code version deadline
+    start_running "$what" "the serving task ended" "; check --serve-cmd" \
+        --port 8080 "$SERVE_IMAGE" -- sh -c "$SERVE_CMD" || return 1
+    id="$TASK_ID"
     SERVER_ID="$id"
     url="${LEVERS9_CONTROLPLANE%/}/v1/tasks/$id/ports/8080/"
     local args=(--http2 --silent --show-error --max-time 10 --output "$WORK/page"
@@ -453,18 +463,10 @@ print(data.decode(errors="replace").strip())
 check_snapshot() {
     local what="snapshot restore" id digest restored mark deadline
     mark="levers9-check-$RANDOM$RANDOM"
-    start "$what" "$SERVE_IMAGE" -- sh -c "echo $mark > /levers9-check.txt && echo written && \
+    start_running "$what" "the writing task ended" "" \
+        "$SERVE_IMAGE" -- sh -c "echo $mark > /levers9-check.txt && echo written && \
 trap 'exit 0' TERM && while :; do sleep 1; done" || return 1
     id="$TASK_ID"
-    echo "     task $id: writes a file, waiting for it (at most ${TIMEOUT_S} s)"
-    if ! wait_task "$id" running; then
-        fail "$what" "$(late_reason "$id")"
-        return 1
-    fi
-    if [[ "$T_STATE" != running ]]; then
-        fail "$what" "the writing task ended: $(ended_reason "$id")"
-        return 1
-    fi
     deadline=$((SECONDS + 60))
     # Into a file first: grep -q leaving early would fail the pipeline under pipefail.
     until l9 task logs "$id" >"$WORK/logs" 2>/dev/null && grep -qx written "$WORK/logs"; do

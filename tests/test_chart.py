@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 
 from control.config import ControlConfig, load_files, merge
 from control.pools import GkeCredentials, load_pools
 from tests.test_pools import ca_pem
+from tests.test_pools import sa_key as pool_sa_key
 
 HELM = Path(sys.executable).parent / "helm"
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "chart"
@@ -42,21 +41,8 @@ def ca_data() -> str:
 
 @cache
 def sa_key() -> dict[str, str]:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    ).decode()
-    return {
-        "type": "service_account",
-        "project_id": "proj",
-        "private_key_id": PRIVATE_KEY_ID,
-        "private_key": pem,
-        "client_email": "levers9-controlplane@proj.iam.gserviceaccount.com",
-        "client_id": "1234",
-        "token_uri": "https://oauth2.googleapis.com/token",
-    }
+    """A service-account key with a known key id, so tests can look for it in renders."""
+    return {**pool_sa_key(), "private_key_id": PRIVATE_KEY_ID}
 
 
 def gke_pool(**kube: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 import urllib3
+import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
@@ -402,5 +403,11 @@ def open_cluster_side(kubeconfig: str | None, context: str | None) -> ClusterSid
     except ConfigException as exc:
         where = kubeconfig or "the default kubeconfig"
         raise JoinError(f"cannot use {where}: {exc}; point --kubeconfig at a kubeconfig") from None
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        # The client's loader assumes a well-formed file and fails on anything else.
+        where = kubeconfig or "the default kubeconfig"
+        raise JoinError(
+            f"{where} is not a kubeconfig (clusters, users, contexts); point --kubeconfig at one"
+        ) from None
     ca_pem = Path(cfg.ssl_ca_cert).read_bytes() if cfg.ssl_ca_cert else b""
     return ClusterSide(k8s.ApiClient(configuration=cfg), cfg.host, ca_pem, str(chosen))

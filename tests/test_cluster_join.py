@@ -329,3 +329,24 @@ def test_a_joined_block_loads_as_a_configured_one() -> None:
     assert pool.kubernetes.tunnel and not pool.kubernetes.host_network
     assert "sa-token" not in repr(pool)
     assert base64.b64decode(block["kubernetes"]["caData"]).startswith(b"-----BEGIN")
+
+
+def test_a_file_that_is_not_a_kubeconfig_is_named(tmp_path: Path) -> None:
+    from control.join import JoinError, open_cluster_side
+
+    for text in ("just some text\n", "- a\n- list\n", "{unclosed: [\n"):
+        path = tmp_path / "not-a-kubeconfig"
+        path.write_text(text)
+        with pytest.raises(JoinError) as refused:
+            open_cluster_side(str(path), None)
+        assert str(path) in str(refused.value)
+        assert "--kubeconfig" in str(refused.value)
+    with pytest.raises(JoinError, match="no context 'elsewhere'"):
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\n"
+            "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+            "users: [{name: u, user: {token: t}}]\n"
+            "contexts: [{name: here, context: {cluster: c, user: u}}]\ncurrent-context: here\n"
+        )
+        open_cluster_side(str(kubeconfig), "elsewhere")

@@ -60,7 +60,7 @@ images-check: install
 	$(BIN)/python images/check.py images/worker.Dockerfile images/control.Dockerfile
 
 demo: deps install
-	$(BIN)/python -m control.demo
+	$(BIN)/python -m sim demo
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

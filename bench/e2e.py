@@ -1,14 +1,14 @@
 """The end-to-end benchmark: what a user of a whole installation waits for, against bare runc
 and direct HTTP measured in the same run.
 
-One loopback installation (`tests.cluster.open_cluster`: Kubernetes stand-in, simulated
+One loopback installation (`sim.cluster.open_cluster`: Kubernetes stand-in, simulated
 kubelet, controlplane, registry) with two nodes, one in a direct-mode pool (1 card) and one in a
 tunnel-mode pool (2 cards). The scheduler's best fit decides placement, so a task's card count
 picks its worker: 0 cards lands on the direct-mode worker, 2 cards can only go to the tunnel one.
 
 - First log: `levers9 run IMAGE -- echo hello` as a user runs it (the CLI as a subprocess) until
   ``hello`` is on its stdout, with the worker warm and the image cached; the same through
-  `control.client` in this process (a fresh connection each time, no Python start-up); the CLI's
+  `control.cli.client` in this process (a fresh connection each time, no Python start-up); the CLI's
   bare start-up (``--version``); and the anchor, a bare ``runc run`` of the same image from a
   prepared bundle (`bench.containers`' bundle). The three take turns each repeat.
 - Endpoint: GETs of a small file served by busybox ``httpd`` in a task on the tunnel worker,
@@ -44,20 +44,20 @@ from typing import Any
 import attrs
 import trio
 
-from agent.config import ContainerConfig
-from agent.containers import open_container_manager
-from agent.models import ContainerSpec
-from agent.runc import remove_cgroup
+from agent.api.models import ContainerSpec
+from agent.runtime.config import ContainerConfig
+from agent.runtime.manager import open_container_manager
+from agent.runtime.runc import remove_cgroup
 from bench.anchors import percentile
 from bench.containers import _bare_bundle
 from bench.report import render_table, write_report
 from bench.tunnel import Terminated, run_until_sigterm
-from control.client import ControlClient, open_control_client
+from control.cli.client import ControlClient, open_control_client
 from control.models import TaskRequest, TaskView
-from tests.cluster import REPO, Cluster, PoolSpec, open_cluster
-from tests.kube_standin import start_kube_standin
-from tests.kubelet import SimNode
-from tests.registry import busybox_image, push, running_registry
+from sim.cluster import REPO, Cluster, PoolSpec, open_cluster
+from sim.kubeapi import start_kube_standin
+from sim.kubelet import SimNode
+from sim.registry import busybox_image, push, running_registry
 
 
 @attrs.frozen

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import trio
 
-from agent.objects import DIGEST_PREFIX, ObjectStore
+from agent.api.digests import DIGEST_PREFIX
+from agent.store.objects import ObjectStore
 
 STREAM_CHUNK_BYTES = 1024 * 1024
 """The chunks `ingest()` is fed: the size of the worker API's HTTP/2 frames."""

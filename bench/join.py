@@ -30,9 +30,9 @@ import trio
 import yaml
 
 from bench.report import render_table, write_report
-from control.join import manifests
-from tests.cluster import REPO, Cluster, controlplane_pod, open_cluster
-from tests.kube_standin import start_kube_standin
+from control.kube.join import manifests
+from sim.cluster import REPO, Cluster, controlplane_pod, open_cluster
+from sim.kubeapi import start_kube_standin
 
 QUICK = 3
 FULL = 10

@@ -4,7 +4,7 @@ The cluster is built in memory as the Kubernetes API returns it (node, pod and J
 5,000 GPU nodes and 100,000 pods (1,000 and 20,000 with `--quick`). Nodes vary the way real
 pools do: some NotReady or cordoned, neighbours holding some or all cards, our workers on a
 share of the nodes with records, a few of them expired. The figure is `time.process_time`
-around `control.reconcile.plan_pool` (median of the repeats), so other engineers' load on
+around `control.kube.planner.plan_pool` (median of the repeats), so other engineers' load on
 the machine's cores does not enter it. Target: `planner_cpu_s` < 1 s for the full size.
 
     python -m bench.reconcile [--quick] --json FILE
@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from bench.report import render_table, write_report
-from control.reconcile import (
+from control.kube.planner import (
     PoolSettings,
     Selector,
     WorkerRecord,
@@ -163,9 +163,9 @@ async def _measure_pass(node_count: int, pod_count: int) -> float:
 
     import yaml
 
-    from control.kube import open_kube_client
-    from control.pools import load_pools
-    from control.reconciler import PoolReconciler
+    from control.kube.adapter import open_kube_client
+    from control.kube.loop import PoolReconciler
+    from control.kube.pools import load_pools
     from control.registry import WorkerRegistry
 
     with tempfile.TemporaryDirectory(prefix="levers9-bench-reconcile-") as tmp:
@@ -174,7 +174,7 @@ async def _measure_pass(node_count: int, pod_count: int) -> float:
             [
                 sys.executable,
                 "-m",
-                "tests.kube_standin",
+                "sim.kubeapi",
                 tmp,
                 "--nodes",
                 str(node_count),

@@ -46,7 +46,7 @@ from typing import TypeVar
 import attrs
 import trio
 
-from agent.tls import make_self_signed
+from agent.wire.tls import make_self_signed
 from bench.anchors import (
     OpenStream,
     Plan,
@@ -61,8 +61,8 @@ from bench.anchors import (
     tcp_opener,
 )
 from bench.report import render_table, write_report
+from control.api.server import Controlplane, serve_controlplane
 from control.config import ControlConfig, parse
-from control.server import Controlplane, serve_controlplane
 
 QUICK_PLAN = Plan(total_bytes=256 << 20, stream_counts=(1, 8), round_trips=2000, connects=50)
 FULL_PLAN = Plan(total_bytes=1 << 30, stream_counts=(1, 8), round_trips=5000, connects=200)
@@ -337,7 +337,7 @@ async def open_agent_process(
     command = [sys.executable]
     if profile_path is not None:
         command += ["-m", "cProfile", "-o", str(profile_path)]
-    command += ["-m", "agent.cli", "run"]
+    command += ["-m", "agent.daemon.cli", "run"]
     log_path = workdir / f"agent-{worker_id}.log"
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -1,7 +1,7 @@
 """Bucket volumes: a file written and read through our rclone FUSE mount against the same
 transfer made with boto3 straight to the same S3 server, in the same run.
 
-The server is moto over TLS with credentials enforced (`tests.s3_server`), on loopback. Both
+The server is moto over TLS with credentials enforced (`sim.s3`), on loopback. Both
 paths move one file of random bytes (256 MiB, 64 MiB with `--quick`), as one object:
 
 - write, ours: open, write in 1 MiB blocks, close, and wait until the upload is done
@@ -40,9 +40,10 @@ import boto3
 import trio
 from botocore.config import Config
 
-from agent.volumes import Volumes, VolumeSpec
+from agent.api.models import VolumeSpec
+from agent.volumes.supervisor import Volumes
 from bench.report import render_table, write_report
-from tests.s3_server import S3Server, S3User, s3_credentials, start_s3_server
+from sim.s3 import S3Server, S3User, s3_credentials, start_s3_server
 
 QUICK = {"bytes": 64 << 20, "repeats": 2}
 FULL = {"bytes": 256 << 20, "repeats": 3}

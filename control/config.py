@@ -17,7 +17,8 @@ from typing import Any
 import attrs
 import yaml
 
-from agent.models import ApiError, GcsCredentials, S3Credentials, structure
+from agent.api.models import GcsCredentials, S3Credentials
+from agent.wire.errors import ApiError, structure
 
 WORKSPACE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 

@@ -11,8 +11,8 @@ import sys
 
 import trio
 
-from agent.logs import setup_logging
-from agent.models import ApiError
+from agent.wire.errors import ApiError
+from agent.wire.logs import setup_logging
 from control.config import ConfigError, ControlConfig, load_files
 
 log = logging.getLogger("levers9.control")
@@ -21,8 +21,8 @@ log = logging.getLogger("levers9.control")
 async def serve_and_reload(paths: list[str], config: ControlConfig) -> None:
     """Serve; on SIGHUP read the values files again and apply their pools (a removed pool's
     workers are deleted). Other settings take effect at the next start."""
-    from control.pools import load_pools
-    from control.server import serve_controlplane
+    from control.api.server import serve_controlplane
+    from control.kube.pools import load_pools
 
     async with trio.open_nursery() as nursery:
         control = await nursery.start(serve_controlplane, config)
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging(os.environ.get("LEVERS9_LOG_LEVEL", "INFO"))
-    from control.joined import own_cluster
-    from control.pools import load_pools
+    from control.kube.joined import own_cluster
+    from control.kube.pools import load_pools
 
     try:
         config = load_files(args.config)
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"levers9-control: {exc}", file=sys.stderr)
         return 2
-    from agent.runner import exception_leaves as _leaves
-    from agent.signals import run_until_signalled
+    from agent.wire.errors import exception_leaves as _leaves
+    from agent.wire.signals import run_until_signalled
 
     messages: list[str] = []
     try:

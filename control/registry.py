@@ -18,11 +18,12 @@ from collections.abc import Callable, Mapping
 import attrs
 import trio
 
-from agent.client import WorkerClient
-from agent.connection import Http2Connection, KeepaliveConfig
-from agent.http2 import Http2Settings
-from agent.models import ApiError, ErrorCode, Registration, WorkerInfo, WorkerSummary
-from agent.tls import PinMismatchError, TLSStream, pinned_client_context
+from agent.api.client import WorkerClient
+from agent.api.models import Registration, WorkerInfo, WorkerSummary
+from agent.wire.connection import Http2Connection, KeepaliveConfig
+from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.http2 import Http2Settings
+from agent.wire.tls import PinMismatchError, TLSStream, pinned_client_context
 
 log = logging.getLogger("levers9.registry")
 

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from agent.images import parse_reference
-from agent.models import ApiError, ErrorCode, RegistryAuth, VolumeSpec
+from agent.api.models import RegistryAuth, VolumeSpec
+from agent.api.reference import parse_reference
+from agent.wire.errors import ApiError, ErrorCode
 from control.config import WorkspaceConfig
 from control.models import TaskVolume
 

@@ -4,7 +4,7 @@
 # The Job sets `args: ["run"]`, which replaces CMD, so the program lives in ENTRYPOINT and the
 # subcommand in CMD: `levers9-agent run` either way.
 #
-# The shim: agent.shim.shim_path compiles levers9-shim.c with gcc on first use. No compiler
+# The shim: agent.runtime.shim.shim_path compiles levers9-shim.c with gcc on first use. No compiler
 # ships in the final stage: the build stage compiles the shim with the agent's own shim_path (so
 # the same flags) and LEVERS9_SHIM_BINARY points the agent at that binary.
 #
@@ -25,7 +25,7 @@ COPY control control
 COPY nvml nvml
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 RUN mkdir -p /out/libexec \
- && python -c "import shutil; from pathlib import Path; from agent.shim import shim_path; shutil.copy(shim_path(Path('/tmp/shim-build')), '/out/libexec/levers9-shim')" \
+ && python -c "import shutil; from pathlib import Path; from agent.runtime.shim import shim_path; shutil.copy(shim_path(Path('/tmp/shim-build')), '/out/libexec/levers9-shim')" \
  && chmod 0755 /out/libexec/levers9-shim
 
 FROM ${PYTHON_BASE}

@@ -1,11 +1,11 @@
-"""Pytest fixtures: a Kubernetes API stand-in (`tests.kube_standin`) over TLS on loopback.
+"""Pytest fixtures: a Kubernetes API stand-in (`sim.kubeapi`) over TLS on loopback.
 
 Load them with `pytest_plugins = ["tests.kube_fixtures"]`. `kube` is a fresh, empty cluster per
 test (namespaces default, kube-system, kube-public, kube-node-lease; no nodes), so tests can
 count requests and arm faults without seeing each other's; it is stopped after the test, which
 also fails if a `on_job_created` hook raised. `kubeconfig` is a kubeconfig file for it with the
 admin token. Test modules import the builders (`make_node`, `make_pod`) from
-`tests.kube_standin`.
+`sim.kubeapi`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kube_standin import KubeStandin, start_kube_standin
+from sim.kubeapi import KubeStandin, start_kube_standin
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Pytest fixtures: real docker-registry processes on loopback with the test images pushed.
 
-Load them with `pytest_plugins = ["tests.registry_fixtures"]`; import `tests.registry` for the
+Load them with `pytest_plugins = ["tests.registry_fixtures"]`; import `sim.registry` for the
 image builders and `push`. `registry` is one anonymous registry per session holding
 busybox, layered, multi (an index) and dockerv2: tests that push their own images there use
 repository names of their own. `basic_registry` and `token_registry` hold busybox behind
@@ -19,8 +19,8 @@ import attrs
 import httpx
 import pytest
 
-from agent.images import RegistryCredentials
-from tests.registry import (
+from agent.runtime.images.puller import RegistryCredentials
+from sim.registry import (
     Image,
     Index,
     RunningRegistry,

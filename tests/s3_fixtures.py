@@ -6,7 +6,7 @@ bucket (`bucket-a`, `bucket-b`), and an admin allowed everything. Tests that tak
 or fill a bucket make a workspace of their own with `s3_workspace()`; tests that stop the
 server start one of their own with `s3_server_factory`. `s3_credentials(server, user)` turns a user
 into the `S3Credentials` a volume spec carries; `S3Server.client(user=...)` is a boto3 client.
-Test modules import those helpers from `tests.s3_server`, so this plugin module is imported by
+Test modules import those helpers from `sim.s3`, so this plugin module is imported by
 pytest alone.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.s3_server import S3Server, S3User, s3_credentials, start_s3_server
+from sim.s3 import S3Server, S3User, s3_credentials, start_s3_server
 
 __all__ = ["S3Server", "S3User", "s3_credentials"]
 

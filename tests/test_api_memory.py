@@ -9,11 +9,11 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api import WorkerState, build_router
-from agent.client import WorkerClient, open_worker_client
-from agent.connection import Http2Connection
-from agent.models import ApiError, ErrorCode
-from agent.service import ConnectPolicy, Service, bearer_auth
+from agent.api.client import WorkerClient, open_worker_client
+from agent.daemon.routes import WorkerState, build_router
+from agent.wire.connection import Http2Connection
+from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.service import ConnectPolicy, Service, bearer_auth
 
 TOKEN = "s3cr3t-token"
 

@@ -26,12 +26,12 @@ import pytest
 import trustme
 import yaml
 
-from control.pools import Flavor, GkeCredentials, load_pools
-from tests.cloud_standins.standin import read_calls, read_state, write_state
+from control.kube.pools import Flavor, GkeCredentials, load_pools
+from sim.cloud.standin import read_calls, read_state, write_state
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "deploy" / "attach-gke-pool.sh"
-STANDINS = REPO / "tests" / "cloud_standins"
+STANDINS = REPO / "sim" / "cloud"
 BASH = shutil.which("bash") or "/bin/bash"
 # The script's own python3: the system one when there is one (what gcloud ships with),
 # so a snippet that needs more than the standard library fails here too.

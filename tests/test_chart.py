@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from control.config import ControlConfig, load_files, merge
-from control.pools import GkeCredentials, load_pools
+from control.kube.pools import GkeCredentials, load_pools
 from tests.test_pools import ca_pem
 from tests.test_pools import sa_key as pool_sa_key
 

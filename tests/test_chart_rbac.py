@@ -14,9 +14,9 @@ import pytest
 import trio
 
 from control.models import TaskRequest
-from tests.cluster import PoolSpec, open_cluster, pod_environment
-from tests.kube_standin import KubeStandin
-from tests.kubelet import SimNode
+from sim.cluster import PoolSpec, open_cluster, pod_environment
+from sim.kubeapi import KubeStandin
+from sim.kubelet import SimNode
 from tests.registry_fixtures import SharedRegistry
 from tests.test_chart import NAMESPACE, in_cluster_pool, of_kind, public_values, render
 

@@ -19,8 +19,8 @@ import pytest
 import trio
 
 from control.models import TaskView
-from tests.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
-from tests.kube_standin import KubeStandin
+from sim.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
+from sim.kubeapi import KubeStandin
 from tests.registry_fixtures import SharedRegistry
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]

@@ -1,10 +1,11 @@
 """`levers9` on the user's side: option parsing and formatting (pure), and the commands
 against a stand-in controlplane.
 
-The stand-in is the real `agent.service.Service` with scripted task routes (`FakeControlplane`);
-it serves HTTP/2 over TLS on loopback with a CA made here, so `main(argv)` runs exactly as a
-user's `levers9` does (in a thread, as its own `trio.run`). The real controlplane's task API
-is covered by its own tests; here only the CLI's behaviour is under test.
+The stand-in is the real `agent.wire.service.Service` with scripted task routes
+(`FakeControlplane`); it serves HTTP/2 over TLS on loopback with a CA made here, so
+`main(argv)` runs exactly as a user's `levers9` does (in a thread, as its own `trio.run`).
+The real controlplane's task API is covered by its own tests; here only the CLI's behaviour
+is under test.
 """
 
 from __future__ import annotations
@@ -25,19 +26,41 @@ import pytest
 import trio
 import trio.testing
 
-from agent import models
-from agent.client import open_api_client
-from agent.connection import Http2Connection
-from agent.exec import parse_request, unframe
-from agent.h2websocket import H2WebSocket, WebSocketClosed
-from agent.models import ApiError, ErrorCode, ExecExit, ExecRequest, LogLine, PullStatus
-from agent.service import JsonResponse, Request, Router, Service, StreamResponse, bearer_auth
-from agent.tls import TLSStream
-from control import cli
-from control.cli import Console, Progress, UsageError, main
-from control.client import ControlClient, ControlClientError, open_control_client
+from agent.api.exec import parse_request, unframe
+from agent.api.models import ExecExit, ExecRequest, LogLine, PullStatus
+from agent.wire.client import open_api_client
+from agent.wire.connection import Http2Connection
+from agent.wire.errors import ApiError, ErrorCode, dumps, unstructure
+from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
+from agent.wire.service import JsonResponse, Request, Router, Service, StreamResponse, bearer_auth
+from agent.wire.tls import TLSStream
+from control.cli.client import ControlClient, ControlClientError, open_control_client
+from control.cli.exec import FdReader, exec_session
+from control.cli.main import main, parse_args
+from control.cli.output import (
+    TASK_HEADERS,
+    Console,
+    Progress,
+    _table,
+    deadline_message,
+    format_details,
+    task_details,
+    task_outcome,
+    task_row,
+)
+from control.cli.parse import (
+    UsageError,
+    parse_cpu,
+    parse_env,
+    parse_local,
+    parse_memory,
+    parse_volume,
+    request_from_args,
+)
+from control.cli.port import forward_port
+from control.cli.tasks import follow_run
 from control.models import TaskList, TaskRequest, TaskSnapshot, TaskView, TaskVolume
-from tests.workers import make_pki
+from sim.configs import make_pki
 
 TOKEN = "cli-test-token-0123456789"
 DIGEST = "sha256:" + "ab" * 32
@@ -112,7 +135,7 @@ class FakeControlplane:
                 if follow:
                     await self.started.wait()
                 for line in self.lines:
-                    yield models.dumps(line) + b"\n"
+                    yield dumps(line) + b"\n"
 
             return StreamResponse(chunks, content_type="application/x-ndjson")
 
@@ -134,7 +157,7 @@ class FakeControlplane:
                 return
             await ws.send_message(b"\x01" + b"got: " + received)
             await ws.send_message(b"\x02" + b"to stderr\n")
-            await ws.send_message(models.dumps(ExecExit(exit_code=self.exec_exit)).decode())
+            await ws.send_message(dumps(ExecExit(exit_code=self.exec_exit)).decode())
 
         router.add("POST", "/v1/tasks", create)
         router.add("GET", "/v1/tasks", listing)
@@ -230,63 +253,63 @@ def text_console(*, err_tty: bool = False) -> tuple[Console, io.BytesIO, io.Byte
     ],
 )
 def test_memory_sizes(text: str, size: int) -> None:
-    assert cli.parse_memory(text) == size
+    assert parse_memory(text) == size
 
 
 @pytest.mark.parametrize("text", ["", "lots", "2X", "-1Gi", "0", "1.5.2G", "0.1"])
 def test_bad_memory_names_the_option(text: str) -> None:
     with pytest.raises(UsageError, match=r"^--memory "):
-        cli.parse_memory(text)
+        parse_memory(text)
 
 
 @pytest.mark.parametrize(
     ("text", "millis"), [("0.5", 500), ("2", 2000), ("500m", 500), ("1.25", 1250)]
 )
 def test_cpu_amounts(text: str, millis: int) -> None:
-    assert cli.parse_cpu(text) == millis
+    assert parse_cpu(text) == millis
 
 
 @pytest.mark.parametrize("text", ["", "half", "0", "0m", "0.0001", "1.5m", "-1"])
 def test_bad_cpu_names_the_option(text: str) -> None:
     with pytest.raises(UsageError, match=r"^--cpu "):
-        cli.parse_cpu(text)
+        parse_cpu(text)
 
 
 def test_env_takes_bare_names_from_the_callers_environment() -> None:
-    env = cli.parse_env(["A=1", "B=x=y", "HOME", "EMPTY="], {"HOME": "/home/me"})
+    env = parse_env(["A=1", "B=x=y", "HOME", "EMPTY="], {"HOME": "/home/me"})
     assert env == {"A": "1", "B": "x=y", "HOME": "/home/me", "EMPTY": ""}
 
 
 def test_env_unset_or_nameless_is_refused() -> None:
     with pytest.raises(UsageError, match=r"--env NOPE: NOPE is not set in your environment"):
-        cli.parse_env(["NOPE"], {})
+        parse_env(["NOPE"], {})
     with pytest.raises(UsageError, match=r"^--env '=1' has no variable name"):
-        cli.parse_env(["=1"], {})
+        parse_env(["=1"], {})
 
 
 def test_volumes() -> None:
-    assert cli.parse_volume("data:/data") == TaskVolume("data", "/data")
-    assert cli.parse_volume("data:/mnt/in:ro") == TaskVolume("data", "/mnt/in", read_only=True)
-    assert cli.parse_volume("data:/out:rw") == TaskVolume("data", "/out")
+    assert parse_volume("data:/data") == TaskVolume("data", "/data")
+    assert parse_volume("data:/mnt/in:ro") == TaskVolume("data", "/mnt/in", read_only=True)
+    assert parse_volume("data:/out:rw") == TaskVolume("data", "/out")
     for bad in ("data", "data:relative", ":/data", "data:"):
         with pytest.raises(UsageError, match=r"^--volume "):
-            cli.parse_volume(bad)
+            parse_volume(bad)
 
 
 def test_local_addresses() -> None:
-    assert cli.parse_local(None, 8080) == ("127.0.0.1", 8080)
-    assert cli.parse_local("9000", 8080) == ("127.0.0.1", 9000)
-    assert cli.parse_local("0", 8080) == ("127.0.0.1", 0)
-    assert cli.parse_local("0.0.0.0:9000", 8080) == ("0.0.0.0", 9000)
-    assert cli.parse_local("[::1]:9000", 8080) == ("::1", 9000)
+    assert parse_local(None, 8080) == ("127.0.0.1", 8080)
+    assert parse_local("9000", 8080) == ("127.0.0.1", 9000)
+    assert parse_local("0", 8080) == ("127.0.0.1", 0)
+    assert parse_local("0.0.0.0:9000", 8080) == ("0.0.0.0", 9000)
+    assert parse_local("[::1]:9000", 8080) == ("::1", 9000)
     with pytest.raises(UsageError, match=r"^--local "):
-        cli.parse_local("localhost:http", 8080)
+        parse_local("localhost:http", 8080)
     with pytest.raises(UsageError, match=r"^--local "):
-        cli.parse_local("70000", 8080)
+        parse_local("70000", 8080)
 
 
 def run_args(*argv: str) -> argparse.Namespace:
-    return cli.parse_args(["run", *argv])
+    return parse_args(["run", *argv])
 
 
 def test_run_command_line_becomes_the_request() -> None:
@@ -295,7 +318,7 @@ def test_run_command_line_becomes_the_request() -> None:
         "--volume", "data:/data:ro", "--port", "8080", "--port", "9090", "--timeout", "600",
         "--snapshot", DIGEST, "busybox:latest", "--", "sh", "-c", "echo hi",
     )  # fmt: skip
-    request = cli.request_from_args(args, {"HOME": "/home/me"})
+    request = request_from_args(args, {"HOME": "/home/me"})
     assert request == TaskRequest(
         image="busybox:latest",
         command=("sh", "-c", "echo hi"),
@@ -311,9 +334,9 @@ def test_run_command_line_becomes_the_request() -> None:
 
 
 def test_run_without_a_command_keeps_the_images() -> None:
-    request = cli.request_from_args(run_args("busybox"), {})
+    request = request_from_args(run_args("busybox"), {})
     assert request == TaskRequest(image="busybox")
-    assert cli.request_from_args(run_args("busybox", "--"), {}).command is None
+    assert request_from_args(run_args("busybox", "--"), {}).command is None
 
 
 @pytest.mark.parametrize(
@@ -330,7 +353,7 @@ def test_run_without_a_command_keeps_the_images() -> None:
 )
 def test_bad_run_values_name_the_option(argv: list[str], option: str) -> None:
     with pytest.raises(UsageError, match=f"^{option} "):
-        cli.request_from_args(run_args(*argv, "busybox"), {})
+        request_from_args(run_args(*argv, "busybox"), {})
 
 
 def test_bad_command_lines_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -365,7 +388,7 @@ def test_missing_controlplane_or_token_says_what_to_set(
 def test_task_rows_show_why_a_task_waits_or_ended() -> None:
     waiting = view("pending", waiting="waiting: 2 cards asked, at most 1 free on any worker")
     done = view("failed", id="t-2", worker="w-1", exit_code=137, reason="out of memory", cards=1)
-    table = cli._table(cli.TASK_HEADERS, [cli.task_row(v, NOW + 75) for v in (waiting, done)])
+    table = _table(TASK_HEADERS, [task_row(v, NOW + 75) for v in (waiting, done)])
     header, first, second = table.splitlines()
     assert header.split() == ["ID", "STATE", "IMAGE", "CARDS", "WORKER", "AGE", "EXIT", "REASON"]
     assert first.split()[:7] == ["t-1", "pending", "busybox", "0", "-", "1m15s", "-"]
@@ -386,7 +409,7 @@ def test_task_details_for_people() -> None:
         worker="w-1",
         running_at=NOW + 5,
     )
-    text = cli.format_details(cli.task_details(running, NOW + 65))
+    text = format_details(task_details(running, NOW + 65))
     lines = dict(line.split(":", 1) for line in text.splitlines())
     assert lines["state"].strip() == "running"
     assert lines["command"].strip() == "python train.py"
@@ -429,31 +452,31 @@ def test_progress_on_a_terminal_rewrites_one_line() -> None:
 
 def test_deadline_message_says_the_task_goes_on() -> None:
     waiting = view("pending", waiting="waiting: no worker has joined yet")
-    assert cli.deadline_message(waiting, 60) == (
+    assert deadline_message(waiting, 60) == (
         "DEADLINE_EXCEEDED: task t-1 has not started within 60 s (pending: no worker has "
         "joined yet); it goes on: follow it with 'levers9 task logs -f t-1' or "
         "'levers9 task get t-1'"
     )
     pulling = view("starting", pull=PullStatus("downloading", 1_000_000, 2_000_000))
-    assert "(starting: pulling image: 1.0/2.0 MB)" in cli.deadline_message(pulling, 60)
+    assert "(starting: pulling image: 1.0/2.0 MB)" in deadline_message(pulling, 60)
 
 
 def test_outcomes() -> None:
-    assert cli.task_outcome(view("succeeded", exit_code=0)) == (0, None)
-    assert cli.task_outcome(view("failed", exit_code=3)) == (3, None)
-    assert cli.task_outcome(view("failed", exit_code=137, reason="timed out")) == (
+    assert task_outcome(view("succeeded", exit_code=0)) == (0, None)
+    assert task_outcome(view("failed", exit_code=3)) == (3, None)
+    assert task_outcome(view("failed", exit_code=137, reason="timed out")) == (
         137,
         "task t-1 failed: timed out",
     )
-    assert cli.task_outcome(view("failed", reason="image not found")) == (
+    assert task_outcome(view("failed", reason="image not found")) == (
         1,
         "task t-1 failed: image not found",
     )
-    assert cli.task_outcome(view("lost", reason="worker w-1 went away")) == (
+    assert task_outcome(view("lost", reason="worker w-1 went away")) == (
         1,
         "task t-1 lost: worker w-1 went away",
     )
-    assert cli.task_outcome(view("cancelled")) == (1, "task t-1 cancelled: no reason given")
+    assert task_outcome(view("cancelled")) == (1, "task t-1 cancelled: no reason given")
 
 
 # -- the client ------------------------------------------------------------------------------------
@@ -569,7 +592,7 @@ async def test_run_shows_progress_until_the_task_runs(
     console, out, err = text_console()
     async with memory_client(fake) as client:
         created = await client.create_task(TaskRequest(image="busybox"))
-        code = await cli.follow_run(client, created, 60.0, console)
+        code = await follow_run(client, created, 60.0, console)
     assert code == 0
     assert out.getvalue() == b"epoch 1\n"
     assert err.getvalue().decode().splitlines() == [
@@ -588,7 +611,7 @@ async def test_run_gives_up_waiting_after_wait_seconds(
     async with memory_client(fake) as client:
         created = await client.create_task(TaskRequest(image="busybox"))
         start = trio.current_time()
-        code = await cli.follow_run(client, created, 30.0, console)
+        code = await follow_run(client, created, 30.0, console)
         assert trio.current_time() - start == pytest.approx(30.0, abs=0.5)
     assert code == 124
     shown = err.getvalue().decode()
@@ -610,7 +633,7 @@ async def test_task_commands(fake: FakeControlplane, capsys: pytest.CaptureFixtu
     (listed,) = json.loads(capsys.readouterr().out)
     assert listed["id"] == "t-2" and listed["state"] == "running"
     assert await levers9(fake, "task", "get", "t-1", "--json") == 0
-    assert json.loads(capsys.readouterr().out) == models.unstructure(view("running"))
+    assert json.loads(capsys.readouterr().out) == unstructure(view("running"))
     assert await levers9(fake, "task", "get", "t-1") == 0
     assert "state:     running" in capsys.readouterr().out
     assert await levers9(fake, "task", "cancel", "t-1") == 0
@@ -650,12 +673,12 @@ async def test_exec_carries_stdin_from_a_pipe(fake: FakeControlplane) -> None:
         write_fd = -1
         console, out, err = text_console()
         async with open_control_client(fake.url, TOKEN, fake.ca) as client:
-            code = await cli.exec_session(
+            code = await exec_session(
                 client,
                 "t-1",
                 ExecRequest(command=("cat",)),
                 console,
-                stdin=cli.FdReader(read_fd),
+                stdin=FdReader(read_fd),
                 watch_resizes=False,
             )
     finally:
@@ -689,7 +712,7 @@ async def test_port_forwards_each_connection(fake: FakeControlplane, nursery: tr
     async with open_control_client(fake.url, TOKEN, fake.ca) as client:
         async with trio.open_nursery() as inner:
             bound: Sequence[tuple[str, int]] = await inner.start(
-                cli.forward_port, client, "t-1", task_port, "127.0.0.1", 0, console
+                forward_port, client, "t-1", task_port, "127.0.0.1", 0, console
             )
             ((host, local_port),) = bound
             first = await trio.open_tcp_stream(host, local_port)

@@ -15,18 +15,11 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from control.join import CLUSTER_RULES, NAMESPACE_RULES, manifests, pool_block
-from control.pools import load_pools
-from tests.cluster import (
-    OWN_NAMESPACE,
-    POOL_LABEL,
-    Cluster,
-    PoolSpec,
-    controlplane_pod,
-    open_cluster,
-)
-from tests.kube_standin import KubeStandin
-from tests.kubelet import SimNode
+from control.kube.join import CLUSTER_RULES, NAMESPACE_RULES, manifests, pool_block
+from control.kube.pools import load_pools
+from sim.cluster import OWN_NAMESPACE, POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
+from sim.kubeapi import KubeStandin
+from sim.kubelet import SimNode
 from tests.registry_fixtures import SharedRegistry
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
@@ -257,7 +250,7 @@ async def test_a_joined_pool_block_is_refused_with_the_field_named(
         ) as cluster,
         cluster.client("operator") as client,
     ):
-        from agent.models import ApiError
+        from agent.wire.errors import ApiError
 
         block = pool_block(
             name="gpus",
@@ -332,7 +325,7 @@ def test_a_joined_block_loads_as_a_configured_one() -> None:
 
 
 def test_a_file_that_is_not_a_kubeconfig_is_named(tmp_path: Path) -> None:
-    from control.join import JoinError, open_cluster_side
+    from control.kube.join import JoinError, open_cluster_side
 
     for text in ("just some text\n", "- a\n- list\n", "{unclosed: [\n"):
         path = tmp_path / "not-a-kubeconfig"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError as AgentConfigError
-from agent.config import load_config
+from agent.daemon.config import ConfigError as AgentConfigError
+from agent.daemon.config import load_config
 from control.config import ConfigError, load_files, merge, parse
 
 BASE = """

@@ -19,7 +19,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from agent.connection import (
+from agent.wire.connection import (
     ConnectionLost,
     H2ByteStream,
     H2Stream,
@@ -29,7 +29,7 @@ from agent.connection import (
     StreamRefused,
     header_value,
 )
-from agent.http2 import Http2Settings
+from agent.wire.http2 import Http2Settings
 
 Handler = Callable[[H2Stream], Awaitable[None]]
 MiB = 1024 * 1024

@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from agent.config import ContainerConfig
-from agent.containers import ContainerManager, open_container_manager
-from agent.models import ApiError, ContainerSpec, ContainerStatus, ErrorCode, VolumeSpec
-from tests.s3_server import s3_credentials
+from agent.api.models import ContainerSpec, ContainerStatus, VolumeSpec
+from agent.runtime.config import ContainerConfig
+from agent.runtime.manager import ContainerManager, open_container_manager
+from agent.wire.errors import ApiError, ErrorCode
+from sim.s3 import s3_credentials
 
 if TYPE_CHECKING:
+    from sim.s3 import S3Server
     from tests.registry_fixtures import SharedRegistry
-    from tests.s3_server import S3Server
 
 pytest_plugins = ["tests.registry_fixtures", "tests.s3_fixtures"]
 

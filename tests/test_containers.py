@@ -24,33 +24,36 @@ import pytest
 import trio
 import trio.testing
 
-from agent import models
-from agent.api import WorkerState, build_router
-from agent.client import WorkerClient, open_worker_client
-from agent.config import ContainerConfig
-from agent.connection import Http2Connection
-from agent.container_routes import add_container_routes, resolve_container
-from agent.containers import ContainerManager, Gpus, open_container_manager
-from agent.exec import run_exec
-from agent.gpus import Card, CardLedger, CardState, Claim, GpuConfig, discover_node_files
-from agent.models import (
-    ApiError,
+from agent.api.client import WorkerClient, open_worker_client
+from agent.api.exec import run_exec
+from agent.api.models import (
     ContainerSpec,
     ContainerStatus,
-    ErrorCode,
     ExecRequest,
+    LogLine,
     RegistryAuth,
     Resources,
     SnapshotInfo,
 )
-from agent.rootfs import overlay_mounts_under
-from agent.runc import read_cgroup_limits
-from agent.runner import idle_for, run_agent
-from agent.service import Service, bearer_auth
-from control.server import Controlplane, serve_controlplane
+from agent.daemon.routes import WorkerState, build_router
+from agent.daemon.run import idle_for, run_agent
+from agent.gpus.claim import Card, CardState, Claim, GpuConfig
+from agent.gpus.edits import discover_node_files
+from agent.gpus.ledger import CardLedger
+from agent.runtime.config import ContainerConfig
+from agent.runtime.manager import ContainerManager, open_container_manager
+from agent.runtime.records import Gpus
+from agent.runtime.rootfs import overlay_mounts_under
+from agent.runtime.routes import add_container_routes, resolve_container
+from agent.runtime.runc import read_cgroup_limits
+from agent.wire.connection import Http2Connection
+from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.service import Service, bearer_auth
+from control.api.server import Controlplane, serve_controlplane
+from sim.configs import control_config, make_pki, read_line
+from sim.registry import Image, push_layer_tars
 from tests.netns_hosts import open_test_host, policy_route, probe, serve
-from tests.registry import Image, push_layer_tars
-from tests.workers import agent_config, control_config, make_pki, read_line
+from tests.workers import agent_config
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import MakeDevDir
@@ -87,7 +90,7 @@ async def run_to_end(manager: ContainerManager, spec: ContainerSpec) -> Containe
     return container.status()
 
 
-async def logs_of(manager: ContainerManager, container_id: str) -> list[models.LogLine]:
+async def logs_of(manager: ContainerManager, container_id: str) -> list[LogLine]:
     return [line async for line in manager.log_lines(container_id, follow=False)]
 
 
@@ -363,7 +366,7 @@ async def test_a_hostile_layer_is_refused(
 @pytest.fixture
 async def worker(manager: ContainerManager) -> AsyncIterator[WorkerClient]:
     """A worker API client wired to a service holding `manager`, over memory streams."""
-    from agent.object_routes import add_object_routes
+    from agent.store.routes import add_object_routes
 
     router = build_router(WorkerState(worker_id="w-test", mode="direct"))
     add_object_routes(router, manager.store)
@@ -577,9 +580,9 @@ _AGENT = textwrap.dedent(
     """
     import sys, trio
     from pathlib import Path
-    from agent.config import ContainerConfig
-    from agent.containers import open_container_manager
-    from agent.models import ContainerSpec
+    from agent.runtime.config import ContainerConfig
+    from agent.runtime.manager import open_container_manager
+    from agent.api.models import ContainerSpec
 
     async def main():
         config = ContainerConfig(state_dir=Path(sys.argv[1]), free_floor_bytes=0)

@@ -11,8 +11,12 @@ import pytest
 import trio
 import trio.testing
 
-from agent.models import ApiError, ContainerStatus, ErrorCode
-from control.dispatch import (
+from agent.api.models import ContainerStatus
+from agent.wire.errors import ApiError, ErrorCode
+from control.api.tasks import query_limit, query_states, spec_of, workspace_of
+from control.models import TaskRequest
+from control.registry import WorkerEntry, WorkerRegistry
+from control.tasks.dispatch import (
     CLEANUP_S,
     STOP_GRACE_S,
     Dispatcher,
@@ -22,10 +26,7 @@ from control.dispatch import (
     keep_tail,
     outcome,
 )
-from control.models import TaskRequest
-from control.registry import WorkerEntry, WorkerRegistry
-from control.task_routes import query_limit, query_states, spec_of, workspace_of
-from control.tasks import Exited, Failed, TaskRecord, TaskSpec, TaskState, open_task_store
+from control.tasks.store import Exited, Failed, TaskRecord, TaskSpec, TaskState, open_task_store
 from control.workspaces import Workspaces
 
 NOW = 1_000.0

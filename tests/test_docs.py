@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from control.cli import UsageError, parse_args
+from control.cli.main import parse_args
+from control.cli.parse import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted((REPO / "docs").glob("*.md"))
@@ -75,7 +76,7 @@ def test_a_documented_command_exists(doc: str, command: str, inline: bool) -> No
                 raise AssertionError(f"{doc}: `{command}` does not parse: {exc}") from None
         return
     if program in ("levers9-agent", "levers9-control"):
-        module = "agent.cli" if program == "levers9-agent" else "control.main"
+        module = "agent.daemon.cli" if program == "levers9-agent" else "control.main"
         done = subprocess.run(
             [sys.executable, "-m", module, argv[1], "--help"],
             capture_output=True,

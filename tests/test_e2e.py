@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.models import ApiError, ErrorCode, ExecRequest
-from control.client import ControlClient
+from agent.api.models import ExecRequest
+from agent.wire.errors import ApiError, ErrorCode
+from control.cli.client import ControlClient
 from control.models import TaskRequest, TaskView, TaskVolume
-from tests.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
-from tests.kube_standin import KubeStandin
-from tests.kubelet import SimNode
+from sim.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
+from sim.configs import read_line
+from sim.kubeapi import KubeStandin
+from sim.kubelet import SimNode
+from sim.s3 import S3Server
 from tests.registry_fixtures import AuthRegistry, SharedRegistry
-from tests.s3_server import S3Server
-from tests.workers import read_line
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures", "tests.s3_fixtures"]
 LEVERS9 = (sys.executable, "-m", "control.cli")

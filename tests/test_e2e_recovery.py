@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from control.client import ControlClient
+from control.cli.client import ControlClient
 from control.models import TaskRequest, TaskView
-from tests.cluster import open_node_cluster
-from tests.kube_standin import KubeStandin, make_pod
+from sim.cluster import open_node_cluster
+from sim.kubeapi import KubeStandin, make_pod
 from tests.registry_fixtures import SharedRegistry
 from tests.test_e2e import wait_for_line, wait_state
 
@@ -156,7 +156,7 @@ async def wait_waiting(client: ControlClient, task_id: str) -> TaskView:
 
 
 def _exec(command: str):  # type: ignore[no-untyped-def]
-    from agent.models import ExecRequest
+    from agent.api.models import ExecRequest
 
     return ExecRequest(command=("sh", "-c", command))
 

@@ -19,11 +19,11 @@ import pytest
 import trio
 import trio.testing
 
-from agent.client import ApiClient, open_api_client
-from agent.connection import Http2Connection, header_value
-from agent.models import ApiError, ErrorCode
-from agent.service import Request, Router, Service, StreamResponse, bearer_auth
-from control.endpoints import (
+from agent.wire.client import ApiClient, open_api_client
+from agent.wire.connection import Http2Connection, header_value
+from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.service import Request, Router, Service, StreamResponse, bearer_auth
+from control.api.endpoints import (
     DEFAULT_CONTENT_TYPE,
     EndpointProxy,
     Framing,

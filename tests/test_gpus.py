@@ -9,23 +9,20 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from agent.gpus import (
-    Allocation,
+from agent.gpus.allocator import Allocation, Refusal, choose_cards
+from agent.gpus.claim import (
     Card,
-    CardLedger,
     CardState,
     Claim,
     GpuConfig,
     GpuSetupError,
-    Refusal,
-    choose_cards,
     claim_cards,
     decide_claim,
-    discover_node_files,
     parse_device_id,
     parse_visible_devices,
-    spec_edits,
 )
+from agent.gpus.edits import discover_node_files, spec_edits
+from agent.gpus.ledger import CardLedger
 from nvml import Link, open_nvml
 from nvml.standin import (
     StandinNode,

@@ -30,7 +30,7 @@ from hyperframe.frame import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.http2 import Http2Protocol, Http2Settings, ProtocolViolation
+from agent.wire.http2 import Http2Protocol, Http2Settings, ProtocolViolation
 
 ErrorCodes = h2.errors.ErrorCodes
 MiB = 1024 * 1024

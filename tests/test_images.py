@@ -19,30 +19,30 @@ import httpx
 import pytest
 import trio
 
-from agent.images import (
-    DOCKER_HUB,
+from agent.api.reference import DOCKER_HUB, ImageReference, registry_scheme
+from agent.runtime.images.manifests import (
     DOCKER_LAYER_GZIP,
     DOCKER_MANIFEST,
     OCI_LAYER_GZIP,
     OCI_LAYER_ZSTD,
-    Challenge,
     Descriptor,
     ImageConfig,
     ImageIndex,
-    ImagePuller,
-    ImageReference,
     Platform,
-    PullProgress,
-    RegistryCredentials,
     choose_manifest,
-    parse_challenges,
     parse_image_config,
     parse_manifest,
-    registry_scheme,
 )
-from agent.models import ApiError, ErrorCode
-from agent.objects import ObjectStore
-from tests.registry import (
+from agent.runtime.images.puller import (
+    Challenge,
+    ImagePuller,
+    PullProgress,
+    RegistryCredentials,
+    parse_challenges,
+)
+from agent.store.objects import ObjectStore
+from agent.wire.errors import ApiError, ErrorCode
+from sim.registry import (
     MULTI_PLATFORMS,
     File,
     RunningRegistry,

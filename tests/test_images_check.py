@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from agent.cli import main as agent_main
-from agent.shim import ShimBuildError, shim_path
-from control.reconcile import PoolSettings, job_manifest
+from agent.daemon.cli import main as agent_main
+from agent.runtime.shim import ShimBuildError, shim_path
+from control.kube.planner import PoolSettings, job_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "images"
@@ -154,7 +154,7 @@ def test_worker_job_runs_the_agent_daemon(monkeypatch: pytest.MonkeyPatch) -> No
     argv = _final_argv(WORKER, container["args"])
     assert argv == ["levers9-agent", "run"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts[argv[0]] == "agent.cli:main"
+    assert scripts[argv[0]] == "agent.daemon.cli:main"
     # `run` is a subcommand the agent's parser knows: an unknown one exits 2 through argparse,
     # a known one gets as far as reading its settings (and fails on the ones missing here).
     with pytest.raises(SystemExit) as unknown:

@@ -22,9 +22,9 @@ import trio
 from google.auth.transport.requests import Request
 from kubernetes.client.exceptions import ApiException
 
-from agent.backoff import BackoffState
-from agent.models import ErrorCode
-from control.kube import (
+from agent.wire.backoff import BackoffState
+from agent.wire.errors import ErrorCode
+from control.kube.adapter import (
     RETRY,
     RETRY_ATTEMPTS,
     EksTokenSource,
@@ -42,7 +42,7 @@ from control.kube import (
     retry_delay,
     translate_api_exception,
 )
-from control.pools import EksCredentials, GkeCredentials, PoolConfig, load_pools
+from control.kube.pools import EksCredentials, GkeCredentials, PoolConfig, load_pools
 from tests.test_pools import EKS_CREDS, ca_pem, gke_block, rsa_pem, sa_key
 
 FAKE_EKS = EksCredentials(

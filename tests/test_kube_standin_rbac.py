@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tests.kube_standin import RBAC, KubeStandin, make_node, make_pod
+from sim.kubeapi import RBAC, KubeStandin, make_node, make_pod
 
 pytest_plugins = ["tests.kube_fixtures"]
 

@@ -19,8 +19,9 @@ import attrs
 import pytest
 import trio
 
-from agent.models import WorkerInfo
-from control.reconcile import (
+from agent.api.models import WorkerInfo
+from control.api.server import Controlplane, serve_controlplane
+from control.kube.planner import (
     CreateJob,
     PoolSettings,
     job_manifest,
@@ -29,10 +30,10 @@ from control.reconcile import (
     token_secret_name,
     with_job_uid,
 )
-from control.server import Controlplane, serve_controlplane
 from nvml.standin import standin_device
-from tests.kube_standin import KubeStandin, make_pod
-from tests.kubelet import (
+from sim.configs import Pki, control_config, make_pki
+from sim.kubeapi import KubeStandin, make_pod
+from sim.kubelet import (
     ContainerConfigError,
     SimNode,
     SimulatedKubelet,
@@ -40,7 +41,6 @@ from tests.kubelet import (
     place_neighbours,
     resolve_env,
 )
-from tests.workers import Pki, control_config, make_pki
 
 pytest_plugins = ["tests.kube_fixtures"]
 

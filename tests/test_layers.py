@@ -20,7 +20,7 @@ import attrs
 import pytest
 import trio
 
-from agent.layers import (
+from agent.runtime.layers import (
     MEDIA_TYPE_DOCKER_GZIP,
     MEDIA_TYPE_TAR,
     MEDIA_TYPE_TAR_GZIP,
@@ -32,8 +32,8 @@ from agent.layers import (
     unpack_layer_file,
     write_layer,
 )
-from agent.models import ErrorCode
-from agent.objects import ObjectStore
+from agent.store.objects import ObjectStore
+from agent.wire.errors import ErrorCode
 
 pytestmark = [
     pytest.mark.root,
@@ -425,8 +425,8 @@ async def test_concurrent_ensure_in_two_processes(store: ObjectStore, tmp_path: 
     script = (
         "import sys, trio\n"
         "from pathlib import Path\n"
-        "from agent.layers import LayerCache\n"
-        "from agent.objects import ObjectStore\n"
+        "from agent.runtime.layers import LayerCache\n"
+        "from agent.store.objects import ObjectStore\n"
         "root, digest, media_type, diff_id = sys.argv[1:]\n"
         "store = ObjectStore(Path(root), budget_bytes=1 << 40, free_floor_bytes=0)\n"
         "layer = trio.run(lambda: LayerCache(Path(root)).ensure(\n"

@@ -12,14 +12,17 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.client import WorkerClient, WorkerUnavailable
-from agent.models import ApiError, ErrorCode, Registration
-from agent.runner import run_agent
-from agent.tls import TLSStream
-from agent.wsstream import WebSocketStream
-from control.demo import check_through_hash_service, open_hash_service
-from control.server import Controlplane, serve_controlplane
-from tests.workers import WORKER_TOKENS, Pki, agent_config, control_config, make_pki
+from agent.api.client import WorkerClient
+from agent.api.models import Registration
+from agent.daemon.run import run_agent
+from agent.wire.client import WorkerUnavailable
+from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.tls import TLSStream
+from agent.wire.wsstream import WebSocketStream
+from control.api.server import Controlplane, serve_controlplane
+from sim.configs import WORKER_TOKENS, Pki, control_config, make_pki
+from sim.demo import check_through_hash_service, open_hash_service
+from tests.workers import agent_config
 
 MODES = ["direct", "tunnel"]
 
@@ -271,7 +274,7 @@ async def test_cli_lists_workers_and_asks_one(
     import json
     import sys
 
-    from tests.workers import API_TOKEN
+    from sim.configs import API_TOKEN
 
     for mode in MODES:
         await start_agent(nursery, pki, control, mode)

@@ -20,8 +20,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.models import ErrorCode
-from agent.network import (
+from agent.runtime.network import (
     DEFAULT_POOL,
     METADATA_ADDRESS,
     ContainerNetwork,
@@ -34,6 +33,7 @@ from agent.network import (
     subnet_of_ifname,
     uplink_mtu,
 )
+from agent.wire.errors import ErrorCode
 from tests.netns_hosts import (
     node_addresses,
     open_test_host,

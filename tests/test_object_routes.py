@@ -11,13 +11,15 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api import WorkerState, build_router
-from agent.client import WorkerClient, WorkerUnavailable, open_worker_client
-from agent.connection import Http2Connection, StreamError
-from agent.models import ApiError, ErrorCode
-from agent.object_routes import add_object_routes
-from agent.objects import DIGEST_PREFIX, ObjectStore
-from agent.service import Service, bearer_auth
+from agent.api.client import WorkerClient, open_worker_client
+from agent.api.digests import DIGEST_PREFIX
+from agent.daemon.routes import WorkerState, build_router
+from agent.store.objects import ObjectStore
+from agent.store.routes import add_object_routes
+from agent.wire.client import WorkerUnavailable
+from agent.wire.connection import Http2Connection, StreamError
+from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.service import Service, bearer_auth
 
 TOKEN = "objects-token-0123456789"
 MIB = 1 << 20

@@ -17,20 +17,18 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.models import ApiError, ErrorCode
-from agent.objects import (
+from agent.api.digests import DIGEST_PREFIX, DigestMismatch, parse_digest
+from agent.store.objects import (
     BATCH_BYTES,
-    DIGEST_PREFIX,
-    DigestMismatch,
     ObjectCorrupt,
     ObjectEntry,
     ObjectStore,
     TempWriter,
-    parse_digest,
     parse_temp_name,
     plan_eviction,
     temp_is_stale,
 )
+from agent.wire.errors import ApiError, ErrorCode
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -304,7 +302,7 @@ async def test_many_concurrent_file_ingests_all_finish(tmp_path: Path) -> None:
 # exist at once), then streams the rest.
 WRITER = """
 import hashlib, pathlib, sys, trio
-from agent.objects import ObjectStore
+from agent.store.objects import ObjectStore
 root, flags, name = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
 data = bytes(range(256)) * 4096 * 20
 async def chunks():
@@ -363,7 +361,7 @@ async def test_two_processes_ingesting_one_digest_at_once_leave_one_object(
 # Streams one and a half batches, so one batch reaches the temp file, then stalls for ever.
 STALLER = """
 import pathlib, sys, trio
-from agent.objects import BATCH_BYTES, ObjectStore
+from agent.store.objects import BATCH_BYTES, ObjectStore
 async def main():
     store = ObjectStore(pathlib.Path(sys.argv[1]), budget_bytes=1 << 40, free_floor_bytes=0)
     def progress(added):

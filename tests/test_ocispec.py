@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from agent.gpus import BindMount, CgroupRule, DeviceNode, Hook, SpecEdits
-from agent.models import ApiError, ErrorCode
-from agent.ocispec import (
+from agent.gpus.edits import BindMount, CgroupRule, DeviceNode, Hook, SpecEdits
+from agent.runtime.ocispec import (
     DEFAULT_CAPABILITIES,
     Bind,
     Limits,
@@ -22,6 +21,7 @@ from agent.ocispec import (
     oci_config,
     write_bundle,
 )
+from agent.wire.errors import ApiError, ErrorCode
 
 DOCKER_CAPS = {
     "CAP_CHOWN",

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.gpus import CardState, GpuConfig, decide_claim, read_assignment
-from agent.podresources import (
+from agent.gpus.claim import CardState, GpuConfig, decide_claim, read_assignment
+from agent.gpus.podresources import (
     ContainerDevices,
     ContainerResources,
     PodResources,

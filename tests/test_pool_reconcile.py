@@ -20,14 +20,14 @@ import attrs
 import pytest
 import trio
 
-from control.cli import main as cli_main
-from control.kube import open_kube_client
-from control.pools import load_pools
-from control.reconciler import PoolReconciler
+from control.api.server import Controlplane, serve_controlplane
+from control.cli.main import main as cli_main
+from control.kube.adapter import open_kube_client
+from control.kube.loop import PoolReconciler
+from control.kube.pools import load_pools
 from control.registry import WorkerRegistry
-from control.server import Controlplane, serve_controlplane
-from tests.kube_standin import KubeStandin, make_node, make_pod
-from tests.workers import API_TOKEN, control_config, make_pki
+from sim.configs import API_TOKEN, control_config, make_pki
+from sim.kubeapi import KubeStandin, make_node, make_pod
 
 pytest_plugins = ["tests.kube_fixtures"]
 
@@ -318,7 +318,7 @@ async def test_a_worker_job_runs_an_agent_that_registers_and_shows_ready(
     env.update(LEVERS9_CONTAINERS="off", LEVERS9_LOG_LEVEL="WARNING")
     assert env["LEVERS9_WORKER_ID"] == name
     agent = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "agent.cli", "run"], env=env, cwd=Path(__file__).parent.parent
+        [sys.executable, "-m", "agent.daemon.cli", "run"], env=env, cwd=Path(__file__).parent.parent
     )
     try:
         with trio.fail_after(30):

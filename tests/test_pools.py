@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 from control.config import ConfigError
-from control.pools import (
+from control.kube.pools import (
     EksCredentials,
     Flavor,
     GkeCredentials,

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from agent.models import ApiError
-from control.reconcile import (
+from agent.wire.errors import ApiError
+from control.kube.planner import (
     CreateJob,
     DeleteJob,
     Machine,

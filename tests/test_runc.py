@@ -22,9 +22,8 @@ import attrs
 import pytest
 import trio
 
-from agent.models import ErrorCode
-from agent.ocispec import Bind, Limits, RuntimeSpec, exec_process, write_bundle
-from agent.runc import (
+from agent.runtime.ocispec import Bind, Limits, RuntimeSpec, exec_process, write_bundle
+from agent.runtime.runc import (
     Runc,
     RuncError,
     ShimHandle,
@@ -40,7 +39,8 @@ from agent.runc import (
     running_shim,
     wait_exit,
 )
-from agent.shim import shim_path
+from agent.runtime.shim import shim_path
+from agent.wire.errors import ErrorCode
 
 _needs_runc = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("runc") or not Path("/bin/busybox").exists(),
@@ -354,7 +354,7 @@ _AGENT_SCRIPT = """
 import json, sys, time
 from pathlib import Path
 import trio
-from agent.runc import Runc, run_container
+from agent.runtime.runc import Runc, run_container
 
 args = json.loads(sys.argv[1])
 async def main():

@@ -10,11 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control.scheduler import (
-    PendingTask,
-    WorkerCapacity,
-    schedule,
-)
+from control.tasks.scheduler import PendingTask, WorkerCapacity, schedule
 
 GIB = 1 << 30
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import trio
 
-from agent.selfcheck import (
+from agent.daemon.selfcheck import (
     BUSYBOX,
     Check,
     SelfCheckContext,
@@ -31,10 +31,10 @@ from agent.selfcheck import (
     run_checks,
     run_trivial_container,
 )
-from control.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane, serve_controlplane
 from nvml.standin import StandinNode, StandinProcess, nvlinked_node, write_node
-from tests.workers import WORKER_TOKENS, make_pki
-from tests.workers import control_config as make_control_config
+from sim.configs import WORKER_TOKENS, make_pki
+from sim.configs import control_config as make_control_config
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import DescribeNode, MakeDevDir, RunPython
@@ -63,7 +63,7 @@ def test_self_check_end_to_end_on_a_healthy_node(
     run_python: RunPython, node_environ: dict[str, str], tmp_path: Path
 ) -> None:
     node = write_node(tmp_path / "node.json", nvlinked_node(2))
-    result = run_python(["-m", "agent.selfcheck", "--json"], node_environ, node=node)
+    result = run_python(["-m", "agent.daemon.selfcheck", "--json"], node_environ, node=node)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["ok"] is True
@@ -119,7 +119,7 @@ def test_a_refused_card_is_a_warning_with_what_to_do(
     node = write_node(
         tmp_path / "node.json", nvlinked_node(2, {1: {"processes": (StandinProcess(4242),)}})
     )
-    result = run_python(["-m", "agent.selfcheck"], node_environ, node=node)
+    result = run_python(["-m", "agent.daemon.selfcheck"], node_environ, node=node)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     warned = next(line for line in lines if line.startswith("warn"))
@@ -137,7 +137,7 @@ def test_a_node_without_a_working_driver_fails(run_python: RunPython, tmp_path: 
         tmp_path / "node.json", StandinNode(devices=(), init_error="DRIVER_NOT_LOADED")
     )
     environ = {"LEVERS9_GPU_CDI_DIRS": "", "LEVERS9_GPU_DEV_DIR": str(tmp_path)}
-    result = run_python(["-m", "agent.selfcheck", "--json"], environ, node=node)
+    result = run_python(["-m", "agent.daemon.selfcheck", "--json"], environ, node=node)
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["ok"] is False

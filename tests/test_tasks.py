@@ -12,8 +12,9 @@ import attrs
 import pytest
 import trio
 
-from agent.models import ApiError, ErrorCode, GcsCredentials, S3Credentials, VolumeSpec
-from control.tasks import (
+from agent.api.models import GcsCredentials, S3Credentials, VolumeSpec
+from agent.wire.errors import ApiError, ErrorCode
+from control.tasks.store import (
     Cancel,
     Exited,
     Failed,

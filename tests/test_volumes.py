@@ -28,41 +28,39 @@ import psutil
 import pytest
 import trio
 
-from agent.models import ErrorCode
-from agent.rootfs import parse_mountinfo
-from agent.volumes import (
-    GcsCredentials,
-    MountedVolume,
+from agent.api.models import GcsCredentials, S3Credentials, VolumeSpec
+from agent.host.mount import parse_mountinfo
+from agent.volumes.rclone import (
     RcloneFailure,
     RcServing,
-    S3Credentials,
     UploadFailed,
     UploadSucceeded,
-    VolumeError,
-    VolumeOptions,
-    Volumes,
-    VolumeSpec,
-    credentials_digest,
     describe_failure,
-    mount_key,
-    mount_name,
-    parse_bucket_url,
     parse_rclone_line,
     probe_error,
     rclone_argv,
     rclone_environment,
     rclone_probe_argv,
     rclone_remote,
-    remove_tree,
     scrub,
-    spec_secrets,
-    sweep_targets,
     uploads_settled,
+)
+from agent.volumes.specs import (
+    MountedVolume,
+    VolumeError,
+    VolumeOptions,
+    credentials_digest,
+    mount_key,
+    mount_name,
+    parse_bucket_url,
+    spec_secrets,
     validate_volume,
 )
-from tests.registry import free_port
-from tests.s3_server import S3Server, S3User, s3_credentials
-from tests.workers import read_line
+from agent.volumes.supervisor import Volumes, remove_tree, sweep_targets
+from agent.wire.errors import ErrorCode
+from sim.configs import read_line
+from sim.registry import free_port
+from sim.s3 import S3Server, S3User, s3_credentials
 
 pytest_plugins = ["tests.s3_fixtures"]
 
@@ -848,7 +846,8 @@ _DEAD_AGENT = """
 import json, sys
 from pathlib import Path
 import trio
-from agent.volumes import S3Credentials, Volumes, VolumeSpec
+from agent.api.models import S3Credentials, VolumeSpec
+from agent.volumes.supervisor import Volumes
 
 async def main() -> None:
     given = json.loads(sys.stdin.readline())

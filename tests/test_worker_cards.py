@@ -12,9 +12,9 @@ from pathlib import Path
 
 import trio
 
-from control.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane, serve_controlplane
 from nvml.standin import StandinProcess, nvlinked_node, standin_environ, write_node
-from tests.workers import WORKER_TOKENS, control_config, make_pki
+from sim.configs import WORKER_TOKENS, control_config, make_pki
 
 pytest_plugins = ["tests.nvml_fixtures"]
 
@@ -38,7 +38,9 @@ async def test_worker_reports_claimed_cards(
         LEVERS9_NODE_NAME="gpu-node-1",
         LEVERS9_CONTAINERS="off",
     )
-    process = await trio.lowlevel.open_process([sys.executable, "-m", "agent.cli", "run"], env=env)
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "agent.daemon.cli", "run"], env=env
+    )
     try:
         with trio.fail_after(20):
             client = await control.registry.client_for("w-tunnel")
@@ -70,7 +72,7 @@ async def test_agent_self_check_command_reports_cards(
     env.update(standin_environ(standin_library, description))
     env["NVIDIA_VISIBLE_DEVICES"] = "all"
     result = await trio.run_process(
-        [sys.executable, "-m", "agent.cli", "self-check", "--json"],
+        [sys.executable, "-m", "agent.daemon.cli", "self-check", "--json"],
         env=env,
         capture_stdout=True,
         check=False,

@@ -1,4 +1,4 @@
-"""Tests for agent.wsstream: a byte stream inside WebSocket binary messages."""
+"""Tests for agent.wire.wsstream: a byte stream inside WebSocket binary messages."""
 
 from __future__ import annotations
 
@@ -11,12 +11,7 @@ import trio
 import trio.testing
 import trio_websocket
 
-from agent.wsstream import (
-    WS_MAX_SEND_BYTES,
-    WebSocketStream,
-    wrap_client,
-    wrap_server,
-)
+from agent.wire.wsstream import WS_MAX_SEND_BYTES, WebSocketStream, wrap_client, wrap_server
 
 WebSocketPair = tuple[trio_websocket.WebSocketConnection, trio_websocket.WebSocketConnection]
 

@@ -1,0 +1,162 @@
+"""Image references (`registry/repository:tag@digest`) parsed as Docker does, and which
+registries are reached over plain HTTP.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+
+import attrs
+
+from agent.wire.errors import ApiError, ErrorCode
+
+DOCKER_HUB = "registry-1.docker.io"
+"""Where Docker Hub's registry API lives; `busybox` means `registry-1.docker.io/library/busybox`."""
+_DOCKER_HUB_ALIASES = frozenset({"docker.io", "index.docker.io", DOCKER_HUB})
+PULL_POLICIES = ("if-not-present", "always")
+_NAME_MAX = 255
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REPOSITORY_RE = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_REGISTRY_RE = re.compile(
+    rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[0-9a-fA-F:.]+\])(?::[0-9]{{1,5}})?"
+)
+_TAG_RE = re.compile(r"[\w][\w.-]{0,127}")
+_DIGEST_RE = re.compile(r"sha256:[a-f0-9]{64}")
+_ANY_DIGEST_RE = re.compile(r"[a-z0-9]+(?:[.+_-][a-z0-9]+)*:[a-zA-Z0-9=_-]+")
+
+
+class ImageError(ApiError):
+    """A pull failed; the message names the image or registry and what to do about it."""
+
+
+@attrs.frozen
+class ImageReference:
+    """A parsed image reference: `registry/repository[:tag][@digest]`, Docker Hub normalised."""
+
+    registry: str
+    repository: str
+    tag: str | None
+    digest: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> ImageReference:
+        """Parse `text` as Docker does: no registry means Docker Hub (`library/` for one-part
+        names), neither tag nor digest means tag `latest`. Errors name the reference."""
+        return parse_reference(text)
+
+    def __str__(self) -> str:
+        text = f"{self.registry}/{self.repository}"
+        if self.tag is not None:
+            text += f":{self.tag}"
+        if self.digest is not None:
+            text += f"@{self.digest}"
+        return text
+
+    @property
+    def scope(self) -> str:
+        """The token scope that lets us pull this repository."""
+        return f"repository:{self.repository}:pull"
+
+
+def _invalid(text: str, problem: str) -> ImageError:
+    return ImageError(
+        ErrorCode.INVALID_ARGUMENT,
+        f"image reference {text!r} is not valid: {problem}",
+        field="image",
+    )
+
+
+def parse_reference(text: str) -> ImageReference:
+    """See `ImageReference.parse`."""
+    if not text or not text.strip():
+        raise _invalid(text, "it is empty; give an image such as busybox:latest")
+    if text != text.strip() or any(c.isspace() for c in text):
+        raise _invalid(text, "it contains whitespace; remove it")
+    name, at, digest = text.partition("@")
+    if at and not _DIGEST_RE.fullmatch(digest):
+        if _ANY_DIGEST_RE.fullmatch(digest) and not digest.startswith("sha256:"):
+            raise ImageError(
+                ErrorCode.UNIMPLEMENTED,
+                f"image reference {text!r} uses digest algorithm "
+                f"{digest.partition(':')[0]!r}; only sha256 digests are supported",
+                field="image",
+            )
+        raise _invalid(
+            text, "the digest after '@' must be sha256: followed by 64 lowercase hex digits"
+        )
+    slash = name.find("/")
+    first = name[:slash] if slash >= 0 else ""
+    if slash >= 0 and (
+        "." in first or ":" in first or first == "localhost" or first.lower() != first
+    ):
+        registry, remainder = first, name[slash + 1 :]
+        if not _REGISTRY_RE.fullmatch(registry):
+            raise _invalid(text, f"registry {registry!r} is not a valid host[:port]")
+    else:
+        registry, remainder = DOCKER_HUB, name
+    repository, colon, tag = remainder.rpartition(":")
+    if not colon or "/" in tag:
+        repository, tag = remainder, ""
+    elif not _TAG_RE.fullmatch(tag):
+        raise _invalid(
+            text,
+            "the tag must be 1 to 128 letters, digits, '_', '.' or '-', not starting with '.' "
+            "or '-'",
+        )
+    if not repository:
+        raise _invalid(text, "the repository name is missing")
+    if not _REPOSITORY_RE.fullmatch(repository):
+        problem = "the repository name must be lowercase letters and digits"
+        if repository.lower() != repository:
+            problem = "the repository name must be lowercase"
+        raise _invalid(
+            text,
+            f"{problem}, parts separated by '/' and joined by '.', '_', '__' or '-'",
+        )
+    if registry in _DOCKER_HUB_ALIASES:
+        registry = DOCKER_HUB
+        if "/" not in repository:
+            repository = f"library/{repository}"
+    if len(registry) + 1 + len(repository) > _NAME_MAX:
+        raise _invalid(text, f"the name is longer than {_NAME_MAX} characters")
+    return ImageReference(
+        registry=registry,
+        repository=repository,
+        tag=tag or (None if at else "latest"),
+        digest=digest or None,
+    )
+
+
+def host_of(address: str) -> str:
+    """`host` out of `host[:port]` (brackets kept off an IPv6 literal)."""
+    if address.startswith("["):
+        return address[1 : address.find("]")]
+    return address.rpartition(":")[0] if ":" in address else address
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def registry_scheme(registry: str, insecure_registries: Iterable[str] = ()) -> str:
+    """Plain HTTP only for loopback registries and those configured as insecure."""
+    insecure = set(insecure_registries)
+    host = host_of(registry)
+    if is_loopback(host) or registry in insecure or host in insecure:
+        return "http"
+    return "https"
+
+
+def registry_address(registry: str, scheme: str) -> str:
+    """`host:port` for messages, with the scheme's default port filled in."""
+    if registry.endswith("]") or ":" not in registry or registry.count(":") > 1:
+        return f"{registry}:{443 if scheme == 'https' else 80}"
+    return registry

@@ -1,0 +1,198 @@
+"""The agent's settings, read once from the environment the worker Job sets.
+
+`levers9-agent run` takes no flags: the controlplane's Job spec is the one place its settings
+come from, as environment variables (the worker token from a Secret). They are parsed here
+into frozen attrs, with an error naming the variable and what to do; the token is removed
+from the process environment as soon as it is read, so no child process inherits it, and it
+is hidden from every repr.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+
+import attrs
+
+from agent.runtime.config import ContainerConfig
+from agent.wire.connection import KeepaliveConfig
+from agent.wire.http2 import Http2Settings
+
+ENV_PREFIX = "LEVERS9_"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed; the message names the variable."""
+
+
+@attrs.frozen
+class TunnelConfig:
+    """How the agent keeps its one outbound tunnel."""
+
+    max_age_s: float = 3600.0
+    drain_s: float = 30.0
+    handshake_timeout_s: float = 10.0
+    backoff_initial_s: float = 0.5
+    backoff_cap_s: float = 30.0
+    backoff_stable_s: float = 60.0
+
+
+@attrs.frozen
+class AgentConfig:
+    worker_id: str
+    token: str = attrs.field(repr=False)
+    mode: str
+    controlplane_url: str
+    controlplane_ca_file: str | None = None
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 7443
+    advertise_host: str | None = None
+    node: str | None = None
+    register_interval_s: float = 30.0
+    handshake_timeout_s: float = 10.0
+    keepalive: KeepaliveConfig = KeepaliveConfig()
+    http2: Http2Settings = Http2Settings()
+    tunnel: TunnelConfig = TunnelConfig()
+    containers: ContainerConfig | None = None
+    """None: this agent runs no containers (LEVERS9_CONTAINERS=off)."""
+    idle_s: float | None = None
+    """With containers: end cleanly after this long without one (LEVERS9_IDLE_S)."""
+
+    @property
+    def controlplane_host(self) -> str:
+        return urllib.parse.urlsplit(self.controlplane_url).hostname or ""
+
+    @property
+    def controlplane_port(self) -> int:
+        return urllib.parse.urlsplit(self.controlplane_url).port or 443
+
+
+def _get(env: Mapping[str, str], name: str, default: str | None = None) -> str:
+    value = env.get(ENV_PREFIX + name, default)
+    if value is None or value == "":
+        raise ConfigError(
+            f"{ENV_PREFIX}{name} is not set; the worker Job sets it (see images/worker.Dockerfile"
+            " and the controlplane's Job template)"
+        )
+    return value
+
+
+def _number(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}{name} must be a number of seconds, not {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{ENV_PREFIX}{name} must be greater than 0, not {raw!r}")
+    return value
+
+
+def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{ENV_PREFIX}{name} must be a whole number of bytes, not {raw!r}"
+        ) from None
+    if value < 0:
+        raise ConfigError(f"{ENV_PREFIX}{name} must be 0 or more, not {raw!r}")
+    return value
+
+
+def _existing_file(env: Mapping[str, str], name: str) -> str | None:
+    path = env.get(ENV_PREFIX + name) or None
+    if path is not None and not os.path.isfile(path):
+        raise ConfigError(f"{ENV_PREFIX}{name} names {path!r}, which is not a file")
+    return path
+
+
+def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
+    switch = env.get(ENV_PREFIX + "CONTAINERS", "on").lower()
+    if switch not in ("on", "off"):
+        raise ConfigError(f"{ENV_PREFIX}CONTAINERS must be 'on' or 'off', not {switch!r}")
+    if switch == "off":
+        return None
+    state_dir = env.get(ENV_PREFIX + "STATE_DIR") or "/var/lib/levers9"
+    if not os.path.isabs(state_dir):
+        raise ConfigError(f"{ENV_PREFIX}STATE_DIR must be an absolute path, not {state_dir!r}")
+    ca_file = env.get(ENV_PREFIX + "REGISTRY_CA") or None
+    if ca_file is not None and not os.path.isfile(ca_file):
+        raise ConfigError(f"{ENV_PREFIX}REGISTRY_CA names {ca_file!r}, which is not a file")
+    insecure = tuple(
+        part.strip()
+        for part in env.get(ENV_PREFIX + "INSECURE_REGISTRIES", "").split(",")
+        if part.strip()
+    )
+    return ContainerConfig(
+        state_dir=Path(state_dir),
+        object_budget_bytes=_bytes(env, "OBJECT_BUDGET_BYTES", 50 << 30),
+        free_floor_bytes=_bytes(env, "FREE_FLOOR_BYTES", 5 << 30),
+        log_max_bytes=_bytes(env, "LOG_MAX_BYTES", 10 << 20),
+        insecure_registries=insecure,
+        registry_ca_file=ca_file,
+        bucket_ca_file=_existing_file(env, "BUCKET_CA"),
+        network_table=env.get(ENV_PREFIX + "NETWORK_TABLE") or "levers9",
+        network_prefix=env.get(ENV_PREFIX + "NETWORK_PREFIX") or "l9",
+        network_pool=env.get(ENV_PREFIX + "NETWORK_POOL") or "169.254.128.0/17",
+    )
+
+
+def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
+    """Read the agent's settings; the token is popped from `env` (os.environ by default)."""
+    env = os.environ if env is None else env
+    worker_id = _get(env, "WORKER_ID")
+    token = _get(env, "WORKER_TOKEN")
+    env.pop(ENV_PREFIX + "WORKER_TOKEN", None)
+    mode = _get(env, "MODE", "direct")
+    if mode not in ("direct", "tunnel"):
+        raise ConfigError(f"{ENV_PREFIX}MODE must be 'direct' or 'tunnel', not {mode!r}")
+    url = _get(env, "CONTROLPLANE_URL")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "https" or not parts.hostname:
+        raise ConfigError(
+            f"{ENV_PREFIX}CONTROLPLANE_URL must be an https:// URL with a host, not {url!r}"
+        )
+    listen = env.get(ENV_PREFIX + "LISTEN", "0.0.0.0:7443")
+    host, _, port_text = listen.rpartition(":")
+    try:
+        port = int(port_text)
+        if ":" not in listen or not 0 <= port < 65536:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(
+            f"{ENV_PREFIX}LISTEN must be HOST:PORT (e.g. 0.0.0.0:7443), not {listen!r}"
+        ) from None
+    ca_file = env.get(ENV_PREFIX + "CONTROLPLANE_CA") or None
+    if ca_file is not None and not os.path.isfile(ca_file):
+        raise ConfigError(f"{ENV_PREFIX}CONTROLPLANE_CA names {ca_file!r}, which is not a file")
+    return AgentConfig(
+        worker_id=worker_id,
+        token=token,
+        mode=mode,
+        controlplane_url=url.rstrip("/"),
+        controlplane_ca_file=ca_file,
+        listen_host=host.strip("[]") or "0.0.0.0",
+        listen_port=port,
+        advertise_host=env.get(ENV_PREFIX + "ADVERTISE_HOST") or None,
+        node=env.get(ENV_PREFIX + "NODE_NAME") or None,
+        register_interval_s=_number(env, "REGISTER_INTERVAL_S", 30.0),
+        keepalive=KeepaliveConfig(
+            ping_interval_s=_number(env, "PING_INTERVAL_S", 15.0),
+            ping_timeout_s=_number(env, "PING_TIMEOUT_S", 15.0),
+        ),
+        tunnel=TunnelConfig(
+            max_age_s=_number(env, "TUNNEL_MAX_AGE_S", 3600.0),
+            drain_s=_number(env, "TUNNEL_DRAIN_S", 30.0),
+            backoff_cap_s=min(_number(env, "BACKOFF_CAP_S", 30.0), 30.0),
+        ),
+        containers=load_container_config(env),
+        idle_s=_number(env, "IDLE_S", 0.0) if env.get(ENV_PREFIX + "IDLE_S") else None,
+    )

@@ -1,0 +1,182 @@
+"""Registration with the controlplane: the worker's capacity and address, sent at start and
+as a heartbeat, retried with capped, jittered backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import ssl
+from pathlib import Path
+
+import psutil
+import trio
+import trio_websocket
+
+from agent import __version__
+from agent.api.models import Registration
+from agent.daemon.config import AgentConfig
+from agent.daemon.routes import WorkerState
+from agent.wire.backoff import (
+    Backoff,
+    BackoffState,
+    next_delay,
+    record_failure,
+)
+from agent.wire.client import ApiClient, open_api_client
+from agent.wire.errors import ApiError
+from agent.wire.tls import (
+    TLSStream,
+    verifying_client_context,
+)
+
+log = logging.getLogger("levers9.agent")
+
+
+class TunnelRejected(Exception):
+    """The controlplane refused the tunnel handshake (wrong token, unknown worker)."""
+
+
+def _cert_hosts(config: AgentConfig) -> list[str]:
+    hosts = ["127.0.0.1", "localhost"]
+    for host in (config.advertise_host, config.listen_host):
+        if host and host not in hosts and host not in ("0.0.0.0", "::"):
+            hosts.append(host)
+    return hosts
+
+
+def advertised_address(config: AgentConfig, port: int) -> str:
+    host = config.advertise_host
+    if host is None:
+        host = config.listen_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _controlplane_context(config: AgentConfig, alpn: tuple[str, ...]) -> ssl.SSLContext:
+    return verifying_client_context(cafile=config.controlplane_ca_file, alpn=alpn)
+
+
+async def open_controlplane_tls(config: AgentConfig, alpn: tuple[str, ...]) -> TLSStream:
+    """A TLS connection to the controlplane, its certificate verified."""
+    tcp = await trio.open_tcp_stream(config.controlplane_host, config.controlplane_port)
+    tls = TLSStream(
+        tcp,
+        _controlplane_context(config, alpn),
+        server_side=False,
+        server_hostname=config.controlplane_host,
+    )
+    try:
+        await tls.do_handshake()
+    except BaseException:
+        await tls.aclose()
+        raise
+    return tls
+
+
+def capacity() -> tuple[int, int]:
+    """CPU (thousandths of a core) and memory (bytes) this worker may give its containers:
+    its cgroup's limits where it has them, else the node's."""
+    cpu = (os.cpu_count() or 1) * 1000
+    memory = int(psutil.virtual_memory().total)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpu = min(cpu, int(int(quota) * 1000 / int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            memory = min(memory, int(limit))
+    except (OSError, ValueError):
+        pass
+    return cpu, memory
+
+
+def registration(
+    config: AgentConfig, state: WorkerState, fingerprint: str | None = None, port: int = 0
+) -> Registration:
+    """What this worker tells the controlplane about itself at every heartbeat."""
+    cpu, memory = capacity()
+    return Registration(
+        worker_id=config.worker_id,
+        version=__version__,
+        mode=config.mode,
+        address=advertised_address(config, port) if config.mode == "direct" else None,
+        fingerprint=fingerprint,
+        node=config.node,
+        cards=state.cards,
+        cpu_millis=cpu,
+        memory_bytes=memory,
+        containers=config.containers is not None,
+    )
+
+
+async def _call_controlplane(config: AgentConfig, path: str, body: object) -> None:
+    with trio.fail_after(config.handshake_timeout_s):
+        tls = await open_controlplane_tls(config, ("h2",))
+        refused: ApiError | None = None
+        async with open_api_client(
+            tls, ApiClient, token=config.token, authority=config.controlplane_host
+        ) as client:
+            try:
+                await client.call("POST", path, body)
+            except ApiError as exc:
+                refused = exc  # raised outside the client's nursery: not in an ExceptionGroup
+        if refused is not None:
+            raise refused
+
+
+async def register_once(config: AgentConfig, registration: Registration) -> None:
+    await _call_controlplane(config, f"/v1/workers/{config.worker_id}/register", registration)
+
+
+async def deregister_once(config: AgentConfig) -> None:
+    """Tell the controlplane this worker is going away (it takes no more tasks)."""
+    await _call_controlplane(config, f"/v1/workers/{config.worker_id}/deregister", {})
+
+
+async def register_loop(config: AgentConfig, registration: Registration) -> None:
+    """Tell the controlplane how to reach us and what we have, and keep telling it: the
+    registration is the heartbeat (and the controlplane may have restarted)."""
+    policy = Backoff(cap_s=min(config.tunnel.backoff_cap_s, config.register_interval_s))
+    state = BackoffState()
+    while True:
+        try:
+            await register_once(config, registration)
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError, ApiError) as exc:
+            record_failure(state)
+            delay = next_delay(policy, state, random.random())
+            log.warning(
+                "registering with the controlplane failed (%s); retrying in %.1f s",
+                failure_reason(exc),
+                delay,
+            )
+            await trio.sleep(delay)
+            continue
+        state.failures = 0
+        await trio.sleep(config.register_interval_s)
+
+
+TUNNEL_FAILURES = (
+    OSError,
+    trio.BrokenResourceError,
+    trio.TooSlowError,
+    TunnelRejected,
+    trio_websocket.HandshakeError,
+)
+
+
+def failure_reason(exc: BaseException) -> str:
+    if isinstance(exc, trio_websocket.ConnectionRejected):
+        hint = " (check the worker token)" if exc.status_code in (401, 403) else ""
+        return f"the controlplane refused the tunnel with HTTP {exc.status_code}{hint}"
+    if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY" in str(exc):
+        return f"the controlplane's certificate did not verify: {exc}"
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,135 @@
+"""Tunnel mode: ONE outbound WebSocket to the controlplane, the worker API served inside it
+with the roles reversed, kept alive, rolled over at its maximum age and re-dialed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import trio
+import trio_websocket
+
+from agent import __version__
+from agent.daemon.config import AgentConfig
+from agent.daemon.register import (
+    TUNNEL_FAILURES,
+    TunnelRejected,
+    failure_reason,
+    open_controlplane_tls,
+)
+from agent.wire.backoff import (
+    Backoff,
+    BackoffState,
+    next_delay,
+    record_connected,
+    record_disconnect,
+    record_failure,
+)
+from agent.wire.connection import Http2Connection
+from agent.wire.errors import exception_leaves
+from agent.wire.service import Service
+from agent.wire.tls import (
+    TLSStream,
+)
+from agent.wire.wsstream import WebSocketStream, wrap_client
+
+log = logging.getLogger("levers9.agent")
+
+
+async def run_tunnel(config: AgentConfig, service: Service) -> None:
+    """Keep one tunnel up forever: reconnect with backoff, roll it over at its maximum age."""
+    tc = config.tunnel
+    policy = Backoff(
+        initial_s=tc.backoff_initial_s, cap_s=tc.backoff_cap_s, stable_s=tc.backoff_stable_s
+    )
+    state = BackoffState()
+    async with trio.open_nursery() as nursery:
+        while True:
+            failure: str | None = None
+            try:
+                with trio.fail_after(tc.handshake_timeout_s):
+                    conn: Http2Connection = await nursery.start(serve_tunnel, config, service)
+            except* TUNNEL_FAILURES as group:
+                failure = "; ".join(failure_reason(e) for e in exception_leaves(group))
+            if failure is not None:
+                record_failure(state)
+                delay = next_delay(policy, state, random.random())
+                log.warning(
+                    "tunnel to %s failed: %s; retrying in %.1f s",
+                    config.controlplane_url,
+                    failure,
+                    delay,
+                )
+                await trio.sleep(delay)
+                continue
+            record_connected(state, trio.current_time())
+            log.info("tunnel to %s is up", config.controlplane_url)
+            with trio.move_on_after(tc.max_age_s):
+                await conn.wait_closed()
+            if not conn.closed:
+                # Maximum age: the next tunnel opens first, then this one drains.
+                log.info("tunnel reached its maximum age; opening the next and draining this one")
+                nursery.start_soon(_drain, conn, tc.drain_s)
+                continue
+            record_disconnect(policy, state, trio.current_time())
+            delay = next_delay(policy, state, random.random()) if state.failures else 0.0
+            log.warning("tunnel closed (%s); reconnecting in %.1f s", conn.close_reason, delay)
+            await trio.sleep(delay)
+
+
+async def _drain(conn: Http2Connection, drain_s: float) -> None:
+    with trio.move_on_after(drain_s):
+        await conn.drain()
+    await conn.aclose()
+
+
+async def upgrade_to_tunnel(
+    config: AgentConfig, nursery: trio.Nursery, tls: TLSStream
+) -> trio_websocket.WebSocketConnection:
+    """The tunnel's WebSocket upgrade on `tls`, presenting the worker token (the agent's own
+    tunnel and the self-check's handshake both open it here); its reader runs in `nursery`."""
+    return await wrap_client(
+        nursery,
+        tls,
+        config.controlplane_host,
+        f"/v1/workers/{config.worker_id}/tunnel",
+        headers=[
+            (b"authorization", f"Bearer {config.token}".encode()),
+            (b"x-levers9-version", __version__.encode()),
+        ],
+    )
+
+
+async def serve_tunnel(
+    config: AgentConfig,
+    service: Service,
+    *,
+    task_status: trio.TaskStatus[Http2Connection] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Dial the controlplane, upgrade to WebSocket, then serve HTTP/2 inside it."""
+    tls = await open_controlplane_tls(config, ("http/1.1",))
+    async with trio.open_nursery() as ws_nursery:
+        try:
+            ws = await upgrade_to_tunnel(config, ws_nursery, tls)
+        except trio_websocket.ConnectionRejected as exc:
+            await tls.aclose()
+            raise TunnelRejected(
+                f"the controlplane refused the tunnel with HTTP {exc.status_code}"
+                + (" (check the worker token)" if exc.status_code in (401, 403) else "")
+            ) from None
+        except trio_websocket.HandshakeError as exc:
+            await tls.aclose()
+            raise trio.BrokenResourceError(f"tunnel handshake failed: {exc}") from None
+        conn = Http2Connection(
+            WebSocketStream(ws, tls),
+            client_side=False,
+            settings=config.http2,
+            keepalive=config.keepalive,
+            handler=service,
+            name=f"tunnel {config.worker_id}",
+        )
+        await ws_nursery.start(conn.run)
+        task_status.started(conn)
+        await conn.wait_closed()
+        ws_nursery.cancel_scope.cancel()

@@ -1,0 +1,1 @@
+"""Images from OCI registries: references, manifests and the puller."""

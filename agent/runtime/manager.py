@@ -1,0 +1,962 @@
+"""The container manager: one owner for every container on this worker, from pull to cleanup.
+
+Each part of a container lives in its own module behind one interface: the object store
+(`objects`), image pulls (`images`), the shared layer cache (`layers`), the overlay rootfs
+(`rootfs`), the network namespace (`network`), the OCI config (`ocispec`) and runc with its
+log-and-exit shim (`runc`). This module decides the order, keeps each container's record, and
+makes sure whatever a container was given is taken back exactly once: when it ends, when its
+creation fails half way, and after the agent restarts (the record on node-local disk, the
+shim's exit file and the runc state say what is still there).
+
+The container's stdio and exit status belong to the shim, not to the agent, so a container
+outlives an agent that is killed and is re-adopted, logs and all, by the next one. A record
+never holds a secret: registry credentials are used for the pull and dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Sequence,
+)
+from pathlib import Path
+from typing import Any
+
+import attrs
+import psutil
+import trio
+
+from agent.api.models import (
+    ContainerSpec,
+    ExecRequest,
+    LogLine,
+    SnapshotInfo,
+    VolumeSpec,
+)
+from agent.gpus.allocator import Refusal
+from agent.gpus.edits import spec_edits
+from agent.host.mount import unmount
+from agent.runtime.config import ContainerConfig
+from agent.runtime.exec import ExecSession
+from agent.runtime.images.puller import ImagePuller, RegistryCredentials
+from agent.runtime.layers import LayerCache
+from agent.runtime.logreader import LOG_POLL_S, _LogReader, _read_lines, parse_cri_line
+from agent.runtime.network import NETNS_DIR, Networking, hosts_file, resolv_conf
+from agent.runtime.ocispec import Bind, Limits, RuntimeSpec, exec_process, write_bundle
+from agent.runtime.records import (
+    FINISHED,
+    MAX_EVENTS,
+    Container,
+    ContainerRecord,
+    Gpus,
+    ImageRecord,
+    orphans,
+)
+from agent.runtime.rootfs import mount_overlay, overlay_mounts_under
+from agent.runtime.runc import (
+    ExitStatus,
+    Runc,
+    ShimLost,
+    oom_killed,
+    read_exit,
+    remove_cgroup,
+    run_container,
+    running_shim,
+    wait_exit,
+)
+from agent.runtime.shim import shim_path
+from agent.runtime.spec import merge_env, process_args, resolve_user, validate_spec
+from agent.store.objects import ObjectStore
+from agent.volumes.supervisor import Volumes
+from agent.wire.errors import ApiError, ErrorCode, dumps, loads
+
+log = logging.getLogger("levers9.containers")
+SNAPSHOT_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar"
+SNAPSHOT_OWNER = "snapshots"
+
+
+class ContainerManager:
+    """Creates, watches and cleans up this worker's containers. Use `open_container_manager`."""
+
+    def __init__(
+        self,
+        config: ContainerConfig,
+        *,
+        store: ObjectStore,
+        puller: ImagePuller,
+        layers: LayerCache,
+        networking: Networking,
+        runc: Runc,
+        shim: Path,
+        nursery: trio.Nursery,
+        gpus: Gpus | None = None,
+        volumes: Volumes | None = None,
+    ) -> None:
+        self.config = config
+        self.volumes = volumes
+        self.store = store
+        self.puller = puller
+        self.layers = layers
+        self.networking = networking
+        self.runc = runc
+        self.shim = shim
+        self.gpus = gpus
+        self._nursery = nursery
+        self._containers: dict[str, Container] = {}
+        self._snapshot_lock = trio.Lock()
+        self.root = config.state_dir / "containers"
+        self.snapshots_dir = config.state_dir / "snapshots"
+        self.problems: list[str] = []
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def get(self, container_id: str) -> Container:
+        try:
+            return self._containers[container_id]
+        except KeyError:
+            raise ApiError(
+                ErrorCode.NOT_FOUND, f"no container {container_id!r} on this worker", field="id"
+            ) from None
+
+    def all(self) -> list[Container]:
+        return sorted(self._containers.values(), key=lambda c: c.record.created_at)
+
+    def address_of(self, container_id: str) -> str:
+        container = self.get(container_id)
+        net = container.record.network
+        if container.state != "running" or net is None:
+            raise ApiError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"container {container_id} is {container.state}, not running; its ports are "
+                "reachable only while it runs",
+            )
+        return net.address
+
+    # -- create ----------------------------------------------------------------------------------
+
+    async def create(self, spec: ContainerSpec) -> Container:
+        """Accept a container and start creating it in the background; returns at once.
+
+        The spec is checked first (nothing is made for a spec that cannot run). Creation then
+        belongs to the manager, not to the caller: a caller that goes away (a CLI deadline)
+        does not stop it. `wait_settled` waits for running or failed."""
+        validate_spec(spec, node_memory_bytes=psutil.virtual_memory().total)
+        container_id = spec.id or f"c-{os.urandom(6).hex()}"
+        existing = self._containers.get(container_id)
+        if existing is not None:
+            if existing.state not in FINISHED:
+                raise ApiError(
+                    ErrorCode.ALREADY_EXISTS,
+                    f"container {container_id} already exists ({existing.state})",
+                    field="id",
+                )
+            await self.delete(container_id)
+        credentials = None
+        if spec.registry_auth is not None:
+            credentials = RegistryCredentials(
+                username=spec.registry_auth.username, password=spec.registry_auth.password
+            )
+        # The record is on disk: no registry password and no bucket credentials in it.
+        record = ContainerRecord(
+            id=container_id,
+            spec=attrs.evolve(
+                spec,
+                id=container_id,
+                registry_auth=None,
+                volumes=tuple(attrs.evolve(v, s3=None, gcs=None) for v in spec.volumes),
+            ),
+            created_at=time.time(),
+            state="pulling",
+        )
+        container = Container(record=record, directory=self.root / container_id)
+        self._containers[container_id] = container
+        container.directory.mkdir(parents=True, exist_ok=True)
+        self._save(container)
+        self._nursery.start_soon(self._create, container, credentials, spec.volumes)
+        return container
+
+    async def wait_settled(self, container: Container) -> Container:
+        await container.settled.wait()
+        if container.failure is not None:
+            raise container.failure
+        return container
+
+    async def _create(
+        self,
+        container: Container,
+        credentials: RegistryCredentials | None,
+        volumes: tuple[VolumeSpec, ...],
+    ) -> None:
+        try:
+            with container.cancel_scope:
+                await self._build_and_start(container, credentials, volumes)
+        except ApiError as exc:
+            container.failure = exc
+        except Exception as exc:
+            log.exception("container %s: creation failed", container.id)
+            container.failure = ApiError(
+                ErrorCode.INTERNAL, f"container {container.id} could not be created: {exc}"
+            )
+        if container.cancel_scope.cancelled_caught and container.failure is None:
+            container.failure = ApiError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"container {container.id} was stopped before it started",
+            )
+        if container.failure is not None:
+            with trio.CancelScope(shield=True):
+                await self._teardown(container)
+            self._update(
+                container,
+                state="failed",
+                finished_at=time.time(),
+                error=container.failure.message,
+                error_code=container.failure.code.name,
+            )
+            log.warning("container %s failed: %s", container.id, container.failure.message)
+            container.settled.set()
+            container.finished.set()
+            return
+        container.settled.set()
+        await self._watch(container)
+
+    async def _build_and_start(
+        self,
+        container: Container,
+        credentials: RegistryCredentials | None,
+        volumes: tuple[VolumeSpec, ...],
+    ) -> None:
+        spec = container.record.spec
+        clock = time.monotonic()
+
+        def lap(phase: str) -> None:
+            nonlocal clock
+            now = time.monotonic()
+            container.timings[phase] = now - clock
+            clock = now
+
+        # The network (two short-lived `ip` processes) is made while the image is pulled,
+        # unpacked and mounted and the bundle written: none of those needs its address.
+        making = _Background(self._nursery, self.networking.create, container.id)
+        try:
+            binds = await self._mount_volumes(container, volumes)
+            runtime = await self._prepare_rootfs(container, credentials, binds, lap)
+            network = await making.result()
+        finally:
+            with trio.CancelScope(shield=True):
+                await making.cancel_and_wait()
+        directory = container.directory
+
+        def write_hosts() -> None:
+            (directory / "etc/hosts").write_text(hosts_file(runtime.hostname, network.address))
+
+        await trio.to_thread.run_sync(write_hosts)
+        self._update(container, network=network, runtime=runtime)
+        lap("prepare")
+        handle = await run_container(
+            self.runc,
+            container_id=container.id,
+            bundle=directory / "bundle",
+            log_path=container.log_path,
+            exit_path=directory / "exit.json",
+            log_max_bytes=self.config.log_max_bytes,
+            shim=self.shim,
+        )
+        lap("start")
+        self._update(
+            container,
+            state="running",
+            started_at=time.time(),
+            shim_pid=handle.shim_pid,
+            container_pid=handle.pid,
+        )
+        log.info(
+            "container %s running (image %s)",
+            container.id,
+            spec.image,
+            extra={
+                "container": container.id,
+                **{f"{k}_ms": round(v * 1000, 1) for k, v in container.timings.items()},
+            },
+        )
+        self._nursery.start_soon(self._evict)
+
+    async def _mount_volumes(
+        self, container: Container, volumes: Sequence[VolumeSpec]
+    ) -> tuple[Bind, ...]:
+        """Each bucket mounted (or shared) and probed for this container; bound into it with
+        slave propagation, so a remount after rclone died reaches it."""
+        if not volumes:
+            return ()
+        if self.volumes is None:
+            raise ApiError(
+                ErrorCode.FAILED_PRECONDITION,
+                "this worker mounts no buckets; start it with volumes enabled",
+                field="volumes",
+            )
+        binds = []
+        for volume in volumes:
+            mounted = await self.volumes.acquire(volume, container.id)
+            binds.append(
+                Bind(
+                    source=str(mounted.host_path),
+                    destination=volume.mount_path,
+                    read_only=volume.read_only,
+                    propagation="rslave",
+                )
+            )
+        return tuple(binds)
+
+    async def _prepare_rootfs(
+        self,
+        container: Container,
+        credentials: RegistryCredentials | None,
+        binds: tuple[Bind, ...],
+        lap: Callable[[str], None],
+    ) -> RuntimeSpec:
+        """Pull, unpack, mount the rootfs and write the bundle; returns the runtime spec."""
+        spec = container.record.spec
+        image = await self.puller.pull(
+            spec.image,
+            credentials=credentials,
+            policy=spec.pull_policy,
+            progress=container.progress,
+        )
+        for blob in image.blobs:
+            self.store.pin(blob, container.id)
+        lap("pull")
+        layer_digests = [layer.digest for layer in image.layers]
+        unpacked = []
+        for layer, diff_id in zip(image.layers, image.diff_ids, strict=False):
+            unpacked.append(
+                await self.layers.ensure(
+                    self.store, layer.digest, layer.media_type, diff_id=diff_id
+                )
+            )
+        if spec.snapshot is not None:
+            unpacked.append(await self._snapshot_layer(container, spec.snapshot))
+            layer_digests.append(spec.snapshot)
+        lap("unpack")
+        # Kept in memory only until the network and runtime are known (one write, below): a
+        # restart before then finds nothing running and cleans up by the container's id.
+        self._update(
+            container,
+            save=False,
+            state="creating",
+            image=ImageRecord(
+                reference=image.reference,
+                manifest_digest=image.manifest_digest,
+                blobs=image.blobs,
+                layers=tuple(layer_digests),
+            ),
+        )
+        directory = container.directory
+        rootfs = directory / "rootfs"
+
+        def make_rootfs() -> tuple[str, str]:
+            for name in ("upper", "work", "rootfs", "etc"):
+                (directory / name).mkdir(exist_ok=True)
+            mount_overlay(
+                [u.path for u in reversed(unpacked)],
+                directory / "upper",
+                directory / "work",
+                rootfs,
+                image=spec.image,
+            )
+            return _read_text(rootfs / "etc/passwd"), _read_text(rootfs / "etc/group")
+
+        passwd, group = await trio.to_thread.run_sync(make_rootfs)
+        uid, gid, extra_gids = resolve_user(
+            spec.user if spec.user is not None else image.config.user, passwd, group
+        )
+        argv = process_args(spec, image.config.entrypoint, image.config.cmd)
+        env = merge_env(image.config.env, spec.env)
+        gpu_fragment = None
+        if spec.cards:
+            gpu_fragment, cards = self._assign_cards(container, env)
+            env = list(gpu_fragment["process"]["env"])
+            self._update(container, cards=cards)
+        hostname = container.id[:63]
+        runtime = RuntimeSpec(
+            container_id=container.id,
+            rootfs=str(rootfs),
+            args=tuple(argv),
+            env=tuple(env),
+            cwd=spec.workdir or image.config.working_dir or "/",
+            uid=uid,
+            gid=gid,
+            additional_gids=extra_gids,
+            hostname=hostname,
+            # The namespace's path follows from the container's id; the network itself is
+            # being made meanwhile and exists before runc runs.
+            netns_path=str(NETNS_DIR / self.networking.netns_name(container.id)),
+            limits=Limits(
+                cpu_millis=spec.resources.cpu_millis,
+                memory_bytes=spec.resources.memory_bytes,
+                pids=spec.resources.pids,
+            ),
+            gpu=gpu_fragment,
+            binds=binds,
+            hosts_file=str(directory / "etc/hosts"),
+            resolv_conf=str(directory / "etc/resolv.conf"),
+            hostname_file=str(directory / "etc/hostname"),
+        )
+
+        def write_files() -> None:
+            (directory / "etc/hostname").write_text(hostname + "\n")
+            (directory / "etc/resolv.conf").write_text(
+                resolv_conf(_read_text(Path("/etc/resolv.conf")))
+            )
+            write_bundle(directory / "bundle", runtime)
+
+        await trio.to_thread.run_sync(write_files)
+        return runtime
+
+    async def _snapshot_layer(self, container: Container, digest: str) -> Any:
+        if not self.store.contains(digest):
+            raise ApiError(
+                ErrorCode.NOT_FOUND,
+                f"snapshot {digest} is not on this worker; copy it here first "
+                f"(PUT /v1/objects/{digest})",
+                field="snapshot",
+            )
+        self.store.pin(digest, container.id)
+        return await self.layers.ensure(self.store, digest, SNAPSHOT_MEDIA_TYPE, diff_id=digest)
+
+    def _assign_cards(
+        self, container: Container, env: list[str]
+    ) -> tuple[dict[str, Any], tuple[str, ...]]:
+        spec = container.record.spec
+        if self.gpus is None:
+            raise ApiError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"{spec.cards} card(s) asked for but this worker serves no cards",
+                field="cards",
+            )
+        result = self.gpus.ledger.assign(container.id, spec.cards)
+        if isinstance(result, Refusal):
+            raise ApiError(ErrorCode.RESOURCE_EXHAUSTED, result.reason, field="cards")
+        edits = spec_edits(result.cards, self.gpus.files, self.gpus.config)
+        return edits.oci_fragment(env), tuple(card.uuid for card in result.cards)
+
+    # -- running and ending ----------------------------------------------------------------------
+
+    async def _watch(self, container: Container) -> None:
+        """Wait for the container to end, then give back what it held."""
+        status: ExitStatus | None
+        try:
+            status = await wait_exit(container.directory / "exit.json")
+        except ShimLost:
+            status = None
+        await self._finish(container, status)
+
+    async def _finish(self, container: Container, status: ExitStatus | None) -> None:
+        oom = await trio.to_thread.run_sync(oom_killed, container.cgroups_path)
+        with trio.CancelScope(shield=True):
+            await self._teardown(container)
+        if status is None:
+            self._update(
+                container,
+                state="failed",
+                finished_at=time.time(),
+                oom_killed=oom,
+                error="the container's shim ended without recording an exit status",
+                error_code=ErrorCode.INTERNAL.name,
+            )
+        else:
+            self._update(
+                container,
+                state="exited",
+                finished_at=time.time(),
+                exit_code=status.exit_code,
+                oom_killed=oom,
+            )
+        log.info(
+            "container %s exited with %s%s",
+            container.id,
+            container.record.exit_code,
+            " (out of memory)" if oom else "",
+        )
+        container.finished.set()
+
+    async def _teardown(self, container: Container) -> None:
+        """Give back every runtime resource the container may hold. Idempotent: each step
+        checks what is there, so it serves failed creations, exits and recovery alike."""
+        cid = container.id
+        problems: list[str] = []
+
+        async def step(what: str, fn: Any, *args: Any) -> None:
+            try:
+                result = fn(*args)
+                if hasattr(result, "__await__"):
+                    await result
+            except Exception as exc:
+                problems.append(f"{what}: {exc}")
+
+        try:
+            await self.runc.delete(cid, force=True)
+        except Exception as exc:
+            problems.append(f"runc delete: {exc}")
+        await step("cgroup", remove_cgroup, container.cgroups_path)
+        rootfs = container.directory / "rootfs"
+        await step("unmount", unmount, rootfs)
+        await step("network", self.networking.delete, cid)
+        if self.gpus is not None:
+            self.gpus.ledger.release(cid)
+        if self.volumes is not None:
+            # After the container is gone: waits for its uploads, unmounts what no one holds.
+            try:
+                failed = await self.volumes.release(cid)
+            except Exception as exc:
+                failed = [f"releasing its buckets failed: {exc}"]
+            for message in failed:
+                self._event(container, message)
+        for problem in problems:
+            log.warning("container %s cleanup: %s", cid, problem)
+
+    async def stop(self, container_id: str, *, grace_s: float | None = None) -> Container:
+        """SIGTERM, then SIGKILL to every process after the grace period; waits for the end."""
+        container = self.get(container_id)
+        grace = container.record.spec.stop_grace_s if grace_s is None else grace_s
+        if not container.settled.is_set():
+            container.cancel_scope.cancel()
+            await container.finished.wait()
+            return container
+        if container.state in FINISHED:
+            return container
+        self._update(container, state="stopping")
+        with contextlib.suppress(ApiError):
+            await self.runc.kill(container_id, signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await container.finished.wait()
+        if not container.finished.is_set():
+            with contextlib.suppress(ApiError):
+                await self.runc.kill(container_id, signal.SIGKILL, all_processes=True)
+            await container.finished.wait()
+        return container
+
+    async def delete(self, container_id: str) -> None:
+        """Stop the container if needed, then remove everything of it: files, pins, record."""
+        container = self.get(container_id)
+        await self.stop(container_id)
+        self.store.unpin_owner(container_id)
+        self._containers.pop(container_id, None)
+        await trio.to_thread.run_sync(
+            shutil.rmtree,
+            container.directory,
+            True,  # ignore_errors
+        )
+
+    # -- exec ------------------------------------------------------------------------------------
+
+    async def exec(self, container_id: str, request: ExecRequest) -> ExecSession:
+        """Start a process in the running container, as its main process's user, with the same
+        capabilities and limits."""
+        container = self.get(container_id)
+        runtime = container.record.runtime
+        if container.state != "running" or runtime is None:
+            raise ApiError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"container {container_id} is {container.state}; exec needs it running",
+            )
+        if request.workdir is not None and not request.workdir.startswith("/"):
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"workdir must be an absolute path, not {request.workdir!r}",
+                field="workdir",
+            )
+        process = exec_process(
+            runtime,
+            request.command,
+            env=[f"{k}={v}" for k, v in request.env.items()],
+            cwd=request.workdir,
+            terminal=request.tty,
+        )
+        if request.tty:
+            # Sized before the process starts, so its first look at the terminal is right.
+            process["consoleSize"] = {"height": request.rows, "width": request.cols}
+        started = await self.runc.exec(container_id, process, tty=request.tty)
+        session = ExecSession(started)
+        if request.tty:
+            session.resize(request.rows, request.cols)
+        return session
+
+    # -- snapshots -------------------------------------------------------------------------------
+
+    async def snapshot(self, container_id: str) -> SnapshotInfo:
+        """Write the container's filesystem changes as one OCI layer into the object store."""
+        from agent.runtime.layers import write_layer
+
+        container = self.get(container_id)
+        upper = container.directory / "upper"
+        if container.record.image is None or not upper.is_dir():
+            raise ApiError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"container {container_id} has no filesystem yet ({container.state})",
+            )
+        paused = False
+        if container.state == "running":
+            # A frozen container cannot change files while they are read.
+            with contextlib.suppress(ApiError):
+                await self.runc.pause(container_id)
+                paused = True
+        try:
+            digest, size, diff_id = await write_layer(upper, self.store)
+        finally:
+            if paused:
+                with contextlib.suppress(ApiError):
+                    await self.runc.resume(container_id)
+        info = SnapshotInfo(
+            digest=digest,
+            size=size,
+            diff_id=diff_id,
+            media_type=SNAPSHOT_MEDIA_TYPE,
+            image=container.record.spec.image,
+            image_digest=container.record.image.manifest_digest,
+            container_id=container_id,
+        )
+        self.store.pin(digest, SNAPSHOT_OWNER)
+        self.snapshots_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(self.snapshots_dir / f"{digest.removeprefix('sha256:')}.json", info)
+        return info
+
+    async def checkpoint(self, container_id: str) -> None:
+        container = self.get(container_id)
+        await self.runc.checkpoint(container_id, container.directory / "checkpoint")
+
+    # -- logs ------------------------------------------------------------------------------------
+
+    async def log_lines(self, container_id: str, *, follow: bool) -> AsyncGenerator[LogLine, None]:
+        """The container's log from the start (the rotated file first); with `follow`, new
+        lines as they are written until the container has ended and everything is read."""
+        container = self.get(container_id)
+        path = container.log_path
+        previous = path.with_name("log.1")
+        if previous.exists():
+            for line in await trio.to_thread.run_sync(_read_lines, previous):
+                parsed = parse_cri_line(line)
+                if parsed:
+                    yield parsed
+        reader = _LogReader(path)
+        try:
+            while True:
+                finished = container.finished.is_set()
+                lines = await trio.to_thread.run_sync(reader.read)
+                for line in lines:
+                    parsed = parse_cri_line(line)
+                    if parsed:
+                        yield parsed
+                if lines:
+                    continue
+                if not follow or finished:
+                    return
+                with trio.move_on_after(LOG_POLL_S):
+                    await container.finished.wait()
+        finally:
+            reader.close()
+
+    def _event(self, container: Container, message: str) -> None:
+        log.warning("container %s: %s", container.id, message)
+        self._update(container, events=(*container.record.events, message)[-MAX_EVENTS:])
+
+    def volume_event(self, holders: tuple[str, ...], message: str) -> None:
+        """What the bucket mounts report (a remount, a failed upload), kept on each holder."""
+        for holder in holders:
+            container = self._containers.get(holder)
+            if container is not None:
+                self._event(container, message)
+
+    # -- persistence and recovery ----------------------------------------------------------------
+
+    def _update(self, container: Container, *, save: bool = True, **changes: Any) -> None:
+        container.record = attrs.evolve(container.record, **changes)
+        if save:
+            self._save(container)
+
+    def _save(self, container: Container) -> None:
+        _write_json(container.directory / "record.json", container.record)
+
+    async def recover(self) -> None:
+        """Adopt what the previous agent left: containers still running keep running (with
+        their logs), those that ended are recorded as such, and whatever no record owns is
+        cleaned away."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for info in (
+            sorted(self.snapshots_dir.glob("*.json")) if self.snapshots_dir.is_dir() else []
+        ):
+            with contextlib.suppress(ValueError, ApiError, OSError):
+                snap = loads(info.read_bytes(), SnapshotInfo)
+                if self.store.contains(snap.digest):
+                    self.store.pin(snap.digest, SNAPSHOT_OWNER)
+        for directory in sorted(self.root.iterdir()):
+            record_file = directory / "record.json"
+            if not record_file.is_file():
+                await trio.to_thread.run_sync(shutil.rmtree, directory, True)
+                continue
+            try:
+                record = loads(record_file.read_bytes(), ContainerRecord)
+            except ApiError as exc:
+                log.warning("dropping unreadable container record %s: %s", record_file, exc)
+                container = Container(
+                    record=ContainerRecord(
+                        id=directory.name,
+                        spec=ContainerSpec(image="unknown"),
+                        created_at=time.time(),
+                    ),
+                    directory=directory,
+                )
+                await self._teardown(container)
+                await trio.to_thread.run_sync(shutil.rmtree, directory, True)
+                continue
+            container = Container(record=record, directory=directory)
+            container.settled.set()
+            self._containers[record.id] = container
+            if record.image is not None:
+                for blob in (*record.image.blobs, *record.image.layers):
+                    if self.store.contains(blob):
+                        self.store.pin(blob, record.id)
+            await self._recover_one(container)
+        running = {c.id for c in self._containers.values() if c.state == "running"}
+        runc_ids = [s.id for s in await self.runc.list()]
+        stray_runc, stray_mounts = orphans(running, runc_ids, overlay_mounts_under(self.root))
+        for cid in stray_runc:
+            log.warning("removing runc container %s that no running record owns", cid)
+            with contextlib.suppress(ApiError):
+                await self.runc.delete(cid, force=True)
+            remove_cgroup(f"/levers9/{cid}")
+        for mount in stray_mounts:
+            log.warning("unmounting %s that no running container owns", mount)
+            unmount(mount)
+        for cid in await self.networking.sweep(keep=running):
+            log.warning("removed the network of %s, which no running container owns", cid)
+
+    async def _recover_one(self, container: Container) -> None:
+        record = container.record
+        if record.state in FINISHED:
+            container.finished.set()
+            return
+        exit_status = read_exit(container.directory / "exit.json")
+        state = await self.runc.state(record.id)
+        shim_alive = running_shim(container.directory / "exit.json") is not None
+        if exit_status is not None or (state is not None and state.status == "stopped"):
+            log.info("container %s ended while the agent was away", record.id)
+            await self._finish(container, exit_status)
+        elif record.spec.volumes and state is not None and state.status in ("running", "paused"):
+            # Bucket credentials are held in memory only: the new agent cannot remount or
+            # look after them, so such a container is stopped rather than left half served.
+            log.warning("stopping container %s: its buckets cannot be kept up", record.id)
+            with contextlib.suppress(ApiError):
+                await self.runc.kill(record.id, signal.SIGKILL, all_processes=True)
+            with trio.CancelScope(shield=True):
+                await self._teardown(container)
+            self._update(
+                container,
+                state="failed",
+                finished_at=time.time(),
+                error="stopped after an agent restart: its bucket credentials were held in "
+                "memory by the previous agent; create it again",
+                error_code=ErrorCode.UNAVAILABLE.name,
+            )
+            container.finished.set()
+        elif shim_alive and state is not None and state.status in ("running", "paused"):
+            log.info("re-adopting running container %s", record.id)
+            if self.gpus is not None and record.cards:
+                for uuid in record.cards:
+                    self.gpus.ledger._holders.setdefault(uuid, record.id)
+            self._nursery.start_soon(self._watch, container)
+        else:
+            log.warning("container %s was lost while the agent was away; cleaning up", record.id)
+            if state is not None:
+                with contextlib.suppress(ApiError):
+                    await self.runc.kill(record.id, signal.SIGKILL, all_processes=True)
+            with trio.CancelScope(shield=True):
+                await self._teardown(container)
+            self._update(
+                container,
+                state="failed",
+                finished_at=time.time(),
+                error="the container was lost while the agent was not running",
+                error_code=ErrorCode.UNAVAILABLE.name,
+            )
+            container.finished.set()
+
+    async def _evict(self) -> None:
+        try:
+            evicted = await self.store.evict()
+        except Exception:
+            log.exception("object store eviction failed")
+            return
+        if evicted:
+            keep = {
+                d
+                for c in self._containers.values()
+                if c.record.image
+                for d in c.record.image.layers
+            }
+            removed = await trio.to_thread.run_sync(self.layers.remove_unused, keep)
+            log.info("evicted %d object(s) and %d unpacked layer(s)", len(evicted), len(removed))
+
+    async def shutdown(self) -> None:
+        """Stop every container (the worker is going away)."""
+        async with trio.open_nursery() as nursery:
+            for container in list(self._containers.values()):
+                if container.state not in FINISHED:
+                    nursery.start_soon(self._stop_quietly, container.id)
+
+    async def _stop_quietly(self, container_id: str) -> None:
+        with contextlib.suppress(ApiError):
+            await self.stop(container_id)
+
+
+class _Background:
+    """One call run in another nursery's task, whose result (or error) is awaited later; the
+    awaiting task's errors stay its own (no exception group)."""
+
+    def __init__(
+        self, nursery: trio.Nursery, fn: Callable[..., Awaitable[Any]], *args: Any
+    ) -> None:
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        nursery.start_soon(self._run, fn, args)
+
+    async def _run(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        try:
+            with self._scope:
+                self._value = await fn(*args)
+        except Exception as exc:
+            self._error = exc
+        finally:
+            self._done.set()
+
+    async def result(self) -> Any:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._scope.cancelled_caught:
+            raise ApiError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
+        return self._value
+
+    async def cancel_and_wait(self) -> None:
+        self._scope.cancel()
+        await self._done.wait()
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text("utf-8", "replace")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return ""
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(dumps(value))
+    os.replace(tmp, path)
+
+
+@contextlib.asynccontextmanager
+async def open_container_manager(
+    config: ContainerConfig, *, gpus: Gpus | None = None
+) -> AsyncIterator[ContainerManager]:
+    """Own a worker's containers for the life of the block: recover what the previous agent
+    left, serve, and on exit stop every container (when configured) and remove our rules."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    async with _node_lock(config.state_dir / "agent.lock"):
+        async with _open_manager(config, gpus) as manager:
+            yield manager
+
+
+@contextlib.asynccontextmanager
+async def _node_lock(path: Path) -> AsyncIterator[None]:
+    """One agent at a time owns a state dir's containers (a rolled worker waits for the old
+    one to finish stopping its containers)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        warned = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not warned:
+                    log.warning("another agent is using %s; waiting for it to end", path.parent)
+                    warned = True
+                await trio.sleep(0.5)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.asynccontextmanager
+async def _open_manager(
+    config: ContainerConfig, gpus: Gpus | None
+) -> AsyncIterator[ContainerManager]:
+    store = ObjectStore(
+        config.state_dir,
+        budget_bytes=config.object_budget_bytes,
+        free_floor_bytes=config.free_floor_bytes,
+    )
+    networking = Networking(
+        table=config.network_table, pool=config.network_pool, prefix=config.network_prefix
+    )
+    await networking.install()
+    shim = await trio.to_thread.run_sync(shim_path, config.state_dir / "bin")
+    puller = ImagePuller(
+        store,
+        insecure_registries=config.insecure_registries,
+        ca_file=config.registry_ca_file,
+    )
+    managers: list[ContainerManager] = []
+
+    def on_volume_event(holders: tuple[str, ...], message: str) -> None:
+        for manager in managers:
+            manager.volume_event(holders, message)
+
+    volumes = Volumes(
+        config.state_dir / "volumes",
+        on_event=on_volume_event,
+        ca_file=Path(config.bucket_ca_file) if config.bucket_ca_file else None,
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(volumes.run)
+            for stale in await volumes.sweep():
+                log.warning("unmounted bucket %s left by a previous agent", stale)
+            manager = ContainerManager(
+                config,
+                store=store,
+                puller=puller,
+                layers=LayerCache(config.state_dir),
+                networking=networking,
+                runc=Runc(config.state_dir / "runc", binary=config.runc_binary, shim=shim),
+                shim=shim,
+                nursery=nursery,
+                gpus=gpus,
+                volumes=volumes,
+            )
+            managers.append(manager)
+            await manager.recover()
+            try:
+                yield manager
+            finally:
+                with trio.CancelScope(shield=True):
+                    if config.stop_on_shutdown:
+                        await manager.shutdown()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await puller.aclose()
+            if config.stop_on_shutdown:
+                await networking.uninstall()
+            store.close()

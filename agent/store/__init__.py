@@ -1,0 +1,1 @@
+"""The node-local content-addressed object store and its API routes."""

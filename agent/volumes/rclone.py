@@ -1,0 +1,341 @@
+"""rclone as a process: its argv and environment (credentials only in the environment), and
+what its log lines and probe failures mean.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+
+from agent.api.models import VolumeSpec
+
+# /proc/self/mountinfo is read the same way for rootfs overlays and for bucket mounts.
+from agent.volumes.specs import VolumeError, VolumeOptions, bucket_url_of
+from agent.wire.errors import ErrorCode
+
+_RC_USER = "levers9"
+_GCS_ENDPOINT = "https://storage.googleapis.com"
+_PROBE_PREFIX = ".levers9-probe-"
+_BARRIER_PREFIX = ".levers9-barrier-"
+_SEARCH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_MAX_LINE_BYTES = 64 * 1024
+_MAX_REASON_CHARS = 200
+
+
+def _probe_name() -> str:
+    return f"{_PROBE_PREFIX}{secrets.token_hex(6)}"
+
+
+def rclone_remote(spec: VolumeSpec) -> str:
+    """rclone's on-the-fly remote for the volume (`:s3:bucket/prefix`); its config is env."""
+    parsed = bucket_url_of(spec)
+    backend = "gcs" if spec.gcs is not None and spec.gcs.service_account_json else "s3"
+    path = f"{parsed.bucket}/{parsed.prefix}".rstrip("/")
+    return f":{backend}:{path}"
+
+
+def endpoint_label(spec: VolumeSpec) -> str:
+    if spec.s3 is not None:
+        return spec.s3.endpoint or f"AWS S3 ({spec.s3.region})"
+    return "Google Cloud Storage"
+
+
+def rclone_environment(
+    spec: VolumeSpec, *, rc_password: str | None, home: str, search_path: str = _SEARCH_PATH
+) -> dict[str, str]:
+    """rclone's whole environment: its backend configuration, credentials included.
+
+    Nothing is inherited from the agent's environment (an `AWS_CA_BUNDLE` or `AWS_*` keys
+    there would change what rclone does); the config file points at nothing, so rclone reads
+    no file for its configuration."""
+    env = {"PATH": search_path, "HOME": home, "RCLONE_CONFIG": "/nonexistent"}
+    if rc_password is not None:
+        env.update({"RCLONE_RC_USER": _RC_USER, "RCLONE_RC_PASS": rc_password})
+    if spec.s3 is not None:
+        s3 = spec.s3
+        env.update(
+            {
+                "RCLONE_S3_PROVIDER": "AWS" if s3.endpoint is None else "Other",
+                "RCLONE_S3_ENV_AUTH": "false",
+                "RCLONE_S3_REGION": s3.region,
+                "RCLONE_S3_NO_CHECK_BUCKET": "true",
+                # AWS wants virtual-hosted names; other stores mostly only know paths.
+                "RCLONE_S3_FORCE_PATH_STYLE": "false" if s3.endpoint is None else "true",
+                "RCLONE_S3_ACCESS_KEY_ID": s3.access_key_id,
+                "RCLONE_S3_SECRET_ACCESS_KEY": s3.secret_access_key,
+            }
+        )
+        if s3.endpoint is not None:
+            env["RCLONE_S3_ENDPOINT"] = s3.endpoint
+        if s3.session_token is not None:
+            env["RCLONE_S3_SESSION_TOKEN"] = s3.session_token
+    elif spec.gcs is not None:
+        gcs = spec.gcs
+        if gcs.service_account_json:
+            env.update(
+                {
+                    "RCLONE_GCS_SERVICE_ACCOUNT_CREDENTIALS": gcs.service_account_json,
+                    # Buckets with uniform access refuse per-object ACLs.
+                    "RCLONE_GCS_BUCKET_POLICY_ONLY": "true",
+                }
+            )
+        else:
+            # HMAC keys go through GCS's S3-compatible XML API; rclone 1.60 has no GCS
+            # provider for s3, "Other" with Google's endpoint does the same.
+            env.update(
+                {
+                    "RCLONE_S3_PROVIDER": "Other",
+                    "RCLONE_S3_ENV_AUTH": "false",
+                    "RCLONE_S3_ENDPOINT": _GCS_ENDPOINT,
+                    "RCLONE_S3_REGION": "auto",
+                    "RCLONE_S3_NO_CHECK_BUCKET": "true",
+                    "RCLONE_S3_FORCE_PATH_STYLE": "true",
+                    "RCLONE_S3_ACCESS_KEY_ID": gcs.hmac_access_id or "",
+                    "RCLONE_S3_SECRET_ACCESS_KEY": gcs.hmac_secret or "",
+                }
+            )
+    return env
+
+
+def _seconds(value: float) -> str:
+    return f"{max(value, 0.001):g}s"
+
+
+def rclone_argv(
+    rclone: str,
+    remote: str,
+    mount_point: Path,
+    *,
+    name: str,
+    cache_dir: Path,
+    read_only: bool,
+    options: VolumeOptions,
+    ca_file: Path | None = None,
+) -> list[str]:
+    """`rclone mount` with nothing secret in it (argv is world-readable in /proc)."""
+    argv = [
+        rclone,
+        "mount",
+        remote,
+        str(mount_point),
+        "--devname",
+        f"levers9-{name}",
+        "--allow-other",
+        "--vfs-cache-mode",
+        "writes",
+        # 1 ms, not 0 s: see the module docstring (0 s uploads inside the FUSE release,
+        # invisible to vfs/stats and never retried).
+        "--vfs-write-back",
+        "1ms",
+        "--vfs-cache-max-age",
+        _seconds(options.cache_max_age_s),
+        "--dir-cache-time",
+        _seconds(options.dir_cache_s),
+        "--cache-dir",
+        str(cache_dir),
+        # Multipart uploads break on moto and buy nothing below 5 GiB.
+        "--s3-upload-cutoff",
+        "5G",
+        "--contimeout",
+        _seconds(options.connect_timeout_s),
+        # Reads: no MD5 over every byte read (a quarter of rclone's CPU on a sequential read,
+        # measured +25% read throughput); TLS already guards the bytes in transit. Uploads are
+        # still checked: the store verifies the Content-MD5 rclone sends with each PUT.
+        "--no-checksum",
+        "--rc",
+        "--rc-addr",
+        "127.0.0.1:0",
+        "--use-json-log",
+        "--log-level",
+        "INFO",
+        "--stats",
+        "0",
+    ]
+    if ca_file is not None:
+        argv += ["--ca-cert", str(ca_file)]
+    if read_only:
+        argv.append("--read-only")
+    return argv
+
+
+def rclone_probe_argv(
+    rclone: str, remote: str, *, options: VolumeOptions, ca_file: Path | None = None
+) -> list[str]:
+    """`rclone lsjson` of `remote` with few retries; nothing secret in it either."""
+    argv = [
+        rclone,
+        "lsjson",
+        remote,
+        "--low-level-retries",
+        "2",
+        "--retries",
+        "1",
+        "--contimeout",
+        _seconds(options.connect_timeout_s),
+        "--use-json-log",
+        "--log-level",
+        "ERROR",
+    ]
+    if ca_file is not None:
+        argv += ["--ca-cert", str(ca_file)]
+    return argv
+
+
+def scrub(text: str, secrets_: Iterable[str | None]) -> str:
+    """`text` with every secret replaced; applied to whatever came from rclone or a server."""
+    for secret in sorted((s for s in secrets_ if s and len(s) >= 4), key=len, reverse=True):
+        text = text.replace(secret, "[redacted]")
+    return text
+
+
+@attrs.frozen
+class RcServing:
+    port: int
+
+
+@attrs.frozen
+class UploadFailed:
+    name: str
+    reason: str
+
+
+@attrs.frozen
+class UploadSucceeded:
+    name: str
+
+
+@attrs.frozen
+class RcloneFailure:
+    """An error-level line; kept (scrubbed) to explain an exit."""
+
+    message: str
+
+
+RcloneLine = RcServing | UploadFailed | UploadSucceeded | RcloneFailure
+_SERVING = re.compile(r"Serving remote control on https?://127\.0\.0\.1:(\d+)/")
+_FAILED_UPLOAD = re.compile(
+    r"vfs cache: failed to upload try #\d+, will retry in [^:]+: (.*)", re.S
+)
+_REASONS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"NoSuchBucket|directory not found"), "no such bucket (NoSuchBucket)"),
+    (re.compile(r"AccessDenied|AllAccessDisabled|Forbidden"), "access denied (AccessDenied)"),
+    (
+        re.compile(r"SignatureDoesNotMatch"),
+        "the secret does not match the access key (SignatureDoesNotMatch)",
+    ),
+    (
+        re.compile(r"InvalidAccessKeyId|InvalidClientTokenId|UnrecognizedClient"),
+        "unknown access key (InvalidAccessKeyId)",
+    ),
+    (
+        re.compile(r"ExpiredToken|InvalidToken|TokenRefreshRequired"),
+        "session token expired or invalid (ExpiredToken)",
+    ),
+    (re.compile(r"invalid_grant|oauth2"), "the service-account key was refused"),
+    (re.compile(r"x509|certificate"), "the endpoint's TLS certificate is not trusted"),
+    (
+        re.compile(
+            r"connection refused|no such host|i/o timeout|dial tcp|send request failed|"
+            r"network is unreachable|connection reset|no route to host|context deadline"
+        ),
+        "endpoint unreachable",
+    ),
+    (re.compile(r"QuotaExceeded|SlowDown|TooManyRequests"), "rate limited by the store"),
+    (re.compile(r"EntityTooLarge"), "the file is too large for one upload"),
+)
+
+
+def describe_failure(text: str) -> str:
+    """A short reason for an rclone/S3 error text: a known phrase, else its first line."""
+    for pattern, reason in _REASONS:
+        if pattern.search(text):
+            return reason
+    first = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    # rclone nests errors as "what: why: ..."; the innermost part is the informative one.
+    first = first.rsplit("remote: ", 1)[-1]
+    return first[:_MAX_REASON_CHARS]
+
+
+def parse_rclone_line(raw: bytes) -> RcloneLine | None:
+    """One line of rclone's `--use-json-log` output -> what it means to us, or None."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        text = raw.decode(errors="replace").strip()
+        # Go panics and fatal errors before logging is set up are plain text.
+        return RcloneFailure(text[:_MAX_REASON_CHARS]) if text else None
+    if not isinstance(record, dict):
+        return None
+    message = str(record.get("msg", ""))
+    level = str(record.get("level", ""))
+    name = str(record.get("object", ""))
+    serving = _SERVING.search(message)
+    if serving:
+        return RcServing(int(serving.group(1)))
+    failed = _FAILED_UPLOAD.match(message)
+    if failed:
+        return UploadFailed(name, describe_failure(failed.group(1)))
+    if message.startswith("vfs cache: upload succeeded"):
+        return UploadSucceeded(name)
+    if level in ("error", "critical", "fatal") and "Unmounted rclone mount" not in message:
+        return RcloneFailure(message[:_MAX_REASON_CHARS])
+    return None
+
+
+def uploads_settled(in_progress: int, queued: int, failing: int) -> bool:
+    """Nothing uploading, and whatever waits in the queue is waiting to retry a failure."""
+    return in_progress == 0 and queued <= failing
+
+
+def probe_error(spec: VolumeSpec, text: str) -> VolumeError:
+    """The error for a failed probe list (rclone's error lines): names the bucket, the
+    endpoint and the reason."""
+    parsed = bucket_url_of(spec)
+    where = endpoint_label(spec)
+    bucket = parsed.bucket
+    credentials = "s3" if spec.s3 is not None else "gcs"
+    reason = describe_failure(text)
+    if reason.startswith("no such bucket"):
+        return VolumeError(
+            ErrorCode.NOT_FOUND,
+            f"bucket {bucket!r} does not exist at {where} (no such bucket); check the bucket "
+            "name in the volume's url",
+            field="url",
+        )
+    if reason.startswith("access denied"):
+        return VolumeError(
+            ErrorCode.PERMISSION_DENIED,
+            f"access denied to bucket {bucket!r} at {where}: the workspace's credentials may "
+            f"not list {parsed}; grant them list and object access on it",
+            field=credentials,
+        )
+    if reason.startswith("the secret does not match"):
+        return VolumeError(
+            ErrorCode.UNAUTHENTICATED,
+            f"credentials for bucket {bucket!r} were refused by {where}: {reason}; check the "
+            "workspace's secret access key",
+            field=f"{credentials}.secretAccessKey" if credentials == "s3" else credentials,
+        )
+    if reason.startswith(("unknown access key", "session token", "the service-account key")):
+        return VolumeError(
+            ErrorCode.UNAUTHENTICATED,
+            f"credentials for bucket {bucket!r} were refused by {where}: {reason}",
+            field=credentials,
+        )
+    if reason in ("endpoint unreachable", "the endpoint's TLS certificate is not trusted"):
+        return VolumeError(
+            ErrorCode.UNAVAILABLE,
+            f"bucket {bucket!r}: {reason} ({where}); check the endpoint and that this node "
+            "can reach it",
+            field=f"{credentials}.endpoint" if credentials == "s3" else credentials,
+        )
+    return VolumeError(
+        ErrorCode.UNAVAILABLE,
+        f"listing bucket {bucket!r} at {where} failed: {reason}",
+        field="url",
+    )

@@ -1,0 +1,892 @@
+"""The thin trio layer that runs an `Http2Protocol` over any trio Stream.
+
+Both ends of the worker API use it: the agent as the HTTP/2 server (over its TLS listener in
+direct mode, inside the WebSocket it dialed in tunnel mode) and the controlplane as the client.
+One reader task per connection feeds the protocol and hands events to per-stream objects; it
+never waits on a consumer, so a slow reader stalls only its own stream. Every write goes
+through one `trio.StrictFIFOLock` and is flushed at once. Received bytes are acknowledged to
+the peer (WINDOW_UPDATE) only when the stream's consumer has read them, so what one stream
+buffers is bounded by its window and what the connection buffers by the connection window.
+
+Liveness: the connection PINGs its peer every `ping_interval_s` and declares the peer dead when
+a PING stays unanswered for `ping_timeout_s`. A GOAWAY drain (`drain()`) lets streams in flight
+finish while new ones go elsewhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import operator
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+
+import attrs
+import h2.errors
+import h2.events
+import h2.exceptions
+import trio
+
+from agent.wire.http2 import Http2Protocol, Http2Settings, ProtocolViolation
+
+log = logging.getLogger("levers9.http2")
+
+Headers = list[tuple[bytes, bytes]]
+READ_BYTES = 1024 * 1024
+
+
+class StreamError(trio.BrokenResourceError):
+    """A stream can no longer be used."""
+
+
+class StreamReset(StreamError):
+    """The peer (or we) reset the stream; `error_code` says why."""
+
+    def __init__(self, stream_id: int, error_code: int, *, by_peer: bool = True) -> None:
+        who = "peer" if by_peer else "we"
+        try:
+            name = h2.errors.ErrorCodes(error_code).name
+        except ValueError:
+            name = str(error_code)
+        super().__init__(f"stream {stream_id} was reset ({who}, {name})")
+        self.stream_id = stream_id
+        self.error_code = error_code
+
+
+class ConnectionLost(StreamError):
+    """The HTTP/2 connection under the stream is gone."""
+
+
+class StreamRefused(ConnectionLost):
+    """The peer never processed the stream (GOAWAY or REFUSED_STREAM); it is safe to retry."""
+
+
+@attrs.frozen
+class KeepaliveConfig:
+    """PING-based liveness: a peer silent for ping_timeout_s after a PING is declared dead."""
+
+    ping_interval_s: float = 15.0
+    ping_timeout_s: float = 15.0
+
+
+@attrs.frozen
+class ConnectionStatistics:
+    open_streams: int
+    streams_opened: int
+    bytes_buffered: int
+    draining: bool
+    closed: bool
+    last_rtt_s: float | None
+
+
+def header_value(headers: Headers, name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
+class H2Stream:
+    """One HTTP/2 stream: headers, a flow-controlled body in each direction, trailers."""
+
+    def __init__(self, conn: Http2Connection, stream_id: int) -> None:
+        self._conn = conn
+        self.stream_id = stream_id
+        self.headers: Headers | None = None
+        self.trailers: Headers | None = None
+        self._chunks: collections.deque[tuple[bytes, int]] = collections.deque()
+        self._buffered = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._readable = trio.lowlevel.ParkingLot()
+        self._headers_lot = trio.lowlevel.ParkingLot()
+        self._window_lot = trio.lowlevel.ParkingLot()
+        self._sent_end = False
+        self.sent_headers = False
+        self._receiving = False
+        self._sending = False
+
+    # -- called by the connection's reader task (synchronous, never block) --
+
+    def _on_headers(self, headers: Headers) -> None:
+        if self.headers is None:
+            self.headers = headers
+        else:
+            self.trailers = headers
+        self._headers_lot.unpark_all()
+
+    def _on_data(self, data: bytes, flow_length: int) -> None:
+        if self._error is not None or self._eof:
+            self._conn._proto.acknowledge(self.stream_id, flow_length)
+            return
+        self._chunks.append((data, flow_length))
+        self._buffered += len(data)
+        self._readable.unpark_all()
+
+    def _on_end(self) -> None:
+        self._eof = True
+        self._readable.unpark_all()
+        self._headers_lot.unpark_all()
+
+    def _on_window(self) -> None:
+        self._window_lot.unpark_all()
+
+    def _fail(self, exc: BaseException, *, discard: bool = False) -> None:
+        if self._error is None:
+            self._error = exc
+        # A body the peer ended is complete and stays readable (a reset or a lost connection
+        # after END_STREAM must not truncate it); one that never will be is dropped.
+        if discard or not self._eof:
+            self._discard()
+        self._readable.unpark_all()
+        self._headers_lot.unpark_all()
+        self._window_lot.unpark_all()
+
+    def _discard(self) -> None:
+        """Drop unread body bytes, giving their window back to the peer."""
+        # Acknowledged even after END_STREAM: the connection window counts them too.
+        dropped = sum(flow for _, flow in self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if dropped:
+            self._conn._proto.acknowledge(self.stream_id, dropped)
+
+    # -- the consumer's side --
+
+    @property
+    def ended(self) -> bool:
+        """True once the peer has ended its side and everything has been read."""
+        return self._eof and not self._chunks
+
+    async def wait_headers(self) -> Headers:
+        while self.headers is None:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                raise StreamError(f"stream {self.stream_id} ended without headers")
+            await self._headers_lot.park()
+        return self.headers
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        """Next body bytes; b"" once the peer ended its side. Acknowledges what is returned."""
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        self._receiving = True
+        try:
+            while not self._chunks:
+                if self._error is not None and not self._eof:
+                    raise self._error
+                if self._eof:
+                    await trio.lowlevel.checkpoint()
+                    return b""
+                await self._readable.park()
+            data, flow = self._chunks[0]
+            if max_bytes is not None and len(data) > max_bytes:
+                head, rest = data[:max_bytes], data[max_bytes:]
+                # Padding (flow - len(data)) is acknowledged with the first piece.
+                acked = flow - len(rest)
+                self._chunks[0] = (rest, len(rest))
+                data = head
+            else:
+                self._chunks.popleft()
+                acked = flow
+            self._buffered -= len(data)
+            self._conn._proto.acknowledge(self.stream_id, acked)
+            await self._conn._flush()
+            return data
+        finally:
+            self._receiving = False
+
+    async def read_all(self, limit_bytes: int) -> bytes:
+        """The rest of the body, refusing one larger than `limit_bytes`."""
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await self.receive_some():
+            size += len(chunk)
+            if size > limit_bytes:
+                await self.reset(h2.errors.ErrorCodes.CANCEL)
+                raise StreamError(f"body larger than {limit_bytes} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def send_headers(self, headers: Headers, *, end_stream: bool = False) -> None:
+        self._check_send()
+        with self._conn._h2_errors(self):
+            self._conn._proto.h2.send_headers(self.stream_id, headers, end_stream=end_stream)
+        self.sent_headers = True
+        if end_stream:
+            self._sent_end = True
+            self._conn._settle(self)
+        await self._conn._flush()
+
+    async def send_data(self, data: bytes, *, end_stream: bool = False) -> None:
+        """Send body bytes, waiting for flow-control window as needed."""
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this stream")
+        self._sending = True
+        try:
+            self._check_send()
+            proto = self._conn._proto
+            view = memoryview(data)
+            while len(view) > 0:
+                window = proto.send_window(self.stream_id)
+                if window <= 0:
+                    if self._error is not None:
+                        raise self._error
+                    self._conn._blocked.add(self)
+                    try:
+                        await self._window_lot.park()
+                    finally:
+                        self._conn._blocked.discard(self)
+                    self._check_send()
+                    continue
+                frame = proto.max_outbound_frame_bytes
+                burst = min(window, len(view), 4 * frame)
+                piece, view = view[:burst], view[burst:]
+                with self._conn._h2_errors(self):
+                    for offset in range(0, burst, frame):
+                        last = offset + frame >= burst and len(view) == 0 and end_stream
+                        proto.h2.send_data(
+                            self.stream_id, piece[offset : offset + frame], end_stream=last
+                        )
+                if end_stream and len(view) == 0:
+                    self._sent_end = True
+                    self._conn._settle(self)
+                await self._conn._flush()
+            if end_stream and not self._sent_end:
+                await self.end()
+        finally:
+            self._sending = False
+
+    async def end(self) -> None:
+        """End our side of the stream (END_STREAM)."""
+        if self._sent_end:
+            await trio.lowlevel.checkpoint()
+            return
+        self._check_send()
+        with self._conn._h2_errors(self):
+            self._conn._proto.h2.end_stream(self.stream_id)
+        self._sent_end = True
+        self._conn._settle(self)
+        await self._conn._flush()
+
+    async def send_trailers(self, headers: Headers) -> None:
+        await self.send_headers(headers, end_stream=True)
+
+    async def reset(self, error_code: int = h2.errors.ErrorCodes.CANCEL) -> None:
+        """Abort the stream in both directions; safe to call more than once."""
+        if self._error is None:
+            self._fail(StreamReset(self.stream_id, error_code, by_peer=False), discard=True)
+            try:
+                self._conn._proto.h2.reset_stream(self.stream_id, error_code)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, KeyError):
+                pass
+        try:
+            await self._conn._flush()
+        except trio.BrokenResourceError:
+            pass
+
+    def _check_send(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._sent_end:
+            raise trio.ClosedResourceError(f"stream {self.stream_id} already ended our side")
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._buffered
+
+
+class H2ByteStream(trio.abc.HalfCloseableStream):
+    """A CONNECT (or extended CONNECT) stream seen as a plain two-way byte stream."""
+
+    def __init__(self, stream: H2Stream) -> None:
+        self.stream = stream
+        self._closed = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("stream is closed")
+        if not data:
+            await trio.lowlevel.checkpoint()
+            if self.stream._sent_end:
+                raise trio.ClosedResourceError("send side already closed")
+            return
+        try:
+            await self.stream.send_data(data if isinstance(data, bytes) else bytes(data))
+        except trio.ClosedResourceError:
+            raise
+        except StreamError as exc:
+            raise trio.BrokenResourceError(str(exc)) from exc
+
+    async def wait_send_all_might_not_block(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("stream is closed")
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("stream is closed")
+        try:
+            await self.stream.end()
+        except StreamError as exc:
+            raise trio.BrokenResourceError(str(exc)) from exc
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._closed:
+            raise trio.ClosedResourceError("stream is closed")
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)  # a float would park for ever, not raise
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be >= 1")
+        try:
+            data = await self.stream.receive_some(max_bytes)
+        except trio.BusyResourceError:
+            raise
+        except StreamError as exc:
+            if self._closed:
+                raise trio.ClosedResourceError("stream is closed") from None
+            raise trio.BrokenResourceError(str(exc)) from exc
+        if self._closed:
+            raise trio.ClosedResourceError("stream is closed")
+        return data
+
+    async def aclose(self) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        stream = self.stream
+        # Nobody reads after a close: what is still buffered gives its window back.
+        stream._discard()
+        if stream._error is None and not stream._sent_end:
+            # Our side ends cleanly, as closing a socket does: what we sent arrives, then EOF.
+            # (Queued now, so a cancelled aclose still closes.)
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                stream._conn._proto.h2.end_stream(stream.stream_id)
+            stream._sent_end = True
+            stream._conn._settle(stream)
+        if stream._error is None and not stream._eof:
+            # We will read no more: reset it so the peer stops sending and no window stays
+            # held. It arrives after our END_STREAM, so the peer keeps what we sent.
+            await stream.reset(h2.errors.ErrorCodes.CANCEL)
+        else:
+            try:
+                await stream._conn._flush()
+            except trio.BrokenResourceError:
+                pass
+        stream._readable.unpark_all()
+        stream._window_lot.unpark_all()
+
+
+RequestHandler = Callable[["H2Stream"], Awaitable[None]]
+
+
+class Http2Connection:
+    """Runs one HTTP/2 connection (either role) over a trio Stream."""
+
+    def __init__(
+        self,
+        transport: trio.abc.Stream,
+        *,
+        client_side: bool,
+        settings: Http2Settings | None = None,
+        keepalive: KeepaliveConfig | None = None,
+        handler: RequestHandler | None = None,
+        name: str = "",
+        write_timeout_s: float = 30.0,
+    ) -> None:
+        self.transport = transport
+        self._write_timeout_s = write_timeout_s
+        self._last_receive = 0.0
+        self.client_side = client_side
+        self.name = name
+        self._proto = Http2Protocol(client_side=client_side, settings=settings)
+        self._keepalive = keepalive
+        self._handler = handler
+        self._write_lock = trio.StrictFIFOLock()
+        self._streams: dict[int, H2Stream] = {}
+        self._blocked: set[H2Stream] = set()
+        self._closed = False
+        self._close_reason: str | None = None
+        self._draining = False
+        self._closed_event = trio.Event()
+        self._ready = trio.Event()
+        self._opened = 0
+        self._ping_ids = itertools.count(1)
+        self._pings: dict[bytes, float] = {}
+        self._last_rtt: float | None = None
+        self._settings_acked = trio.Event()
+        self._handler_nursery: trio.Nursery | None = None
+        self._idle_lot = trio.lowlevel.ParkingLot()
+        self._ping_lot = trio.lowlevel.ParkingLot()
+        self._flush_scheduled = False
+
+    # -- lifecycle --
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the connection until it closes; handlers run in a nursery owned here."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._handler_nursery = nursery
+                self._proto.initiate()
+                try:
+                    await self._flush()
+                except trio.BrokenResourceError as exc:
+                    self._mark_closed(f"transport broke: {exc}")
+                    return
+                self._ready.set()
+                task_status.started()
+                if self._keepalive is not None:
+                    nursery.start_soon(self._keepalive_loop, self._keepalive)
+                await self._read_loop()
+                nursery.cancel_scope.cancel()
+        except trio.BrokenResourceError as exc:
+            self._mark_closed(f"transport broke: {exc}")
+        finally:
+            self._mark_closed(self._close_reason or "connection closed")
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    await self.transport.aclose()
+                except trio.BrokenResourceError:
+                    pass
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                data = await self.transport.receive_some(READ_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._mark_closed(f"transport broke: {exc}")
+                return
+            if not data:
+                self._mark_closed("peer closed the connection")
+                return
+            self._last_receive = trio.current_time()
+            try:
+                events = self._proto.receive_data(data, trio.current_time())
+            except ProtocolViolation as exc:
+                log.warning("http2 connection closed: %s", exc, extra={"connection": self.name})
+                # Send the GOAWAY first: marking the connection closed cancels its tasks.
+                try:
+                    await self._flush()
+                except trio.BrokenResourceError:
+                    pass
+                self._mark_closed(str(exc))
+                return
+            for event in events:
+                self._dispatch(event)
+            if self._proto.has_data_to_send():
+                # Only when there is something to send (ACKs, WINDOW_UPDATEs): the receive
+                # above was already this loop's checkpoint.
+                try:
+                    await self._flush()
+                except trio.BrokenResourceError:
+                    return
+            if self._closed:
+                return
+
+    def _dispatch(self, event: h2.events.Event) -> None:
+        if isinstance(event, h2.events.DataReceived):
+            sid = event.stream_id
+            assert sid is not None
+            stream = self._streams.get(sid)
+            flow = event.flow_controlled_length or 0
+            if stream is None:
+                self._proto.acknowledge(sid, flow)
+            else:
+                stream._on_data(event.data or b"", flow)
+        elif isinstance(event, h2.events.RequestReceived):
+            self._on_request(event)
+        elif isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+            headers = event.headers
+            stream = self._streams.get(event.stream_id or 0)
+            if stream is not None and headers is not None:
+                stream._on_headers(list(headers))
+        elif isinstance(event, h2.events.InformationalResponseReceived):
+            pass
+        elif isinstance(event, h2.events.StreamEnded):
+            stream = self._streams.get(event.stream_id or 0)
+            if stream is not None:
+                stream._on_end()
+                self._settle(stream)
+        elif isinstance(event, h2.events.StreamReset):
+            stream = self._streams.pop(event.stream_id or 0, None)
+            if stream is not None:
+                code = int(event.error_code or 0)
+                exc: StreamError
+                if code == h2.errors.ErrorCodes.REFUSED_STREAM:
+                    exc = StreamRefused(f"peer refused stream {event.stream_id}")
+                else:
+                    exc = StreamReset(stream.stream_id, code, by_peer=event.remote_reset)
+                stream._fail(exc)
+                self._idle_lot.unpark_all()
+        elif isinstance(event, h2.events.WindowUpdated):
+            if event.stream_id == 0:
+                for stream in list(self._blocked):
+                    stream._on_window()
+            else:
+                stream = self._streams.get(event.stream_id or 0)
+                if stream is not None:
+                    stream._on_window()
+        elif isinstance(event, h2.events.RemoteSettingsChanged):
+            for stream in list(self._blocked):
+                stream._on_window()
+        elif isinstance(event, h2.events.SettingsAcknowledged):
+            self._settings_acked.set()
+        elif isinstance(event, h2.events.PingAckReceived):
+            sent = self._pings.pop(event.ping_data or b"", None)
+            if sent is not None:
+                self._last_rtt = trio.current_time() - sent
+                self._ping_lot.unpark_all()
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self._on_goaway(event)
+
+    def _on_request(self, event: h2.events.RequestReceived) -> None:
+        sid = event.stream_id
+        assert sid is not None
+        if self._handler is None or self._handler_nursery is None or self._draining:
+            self._proto.h2.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        stream = H2Stream(self, sid)
+        stream._on_headers(list(event.headers or []))
+        self._streams[sid] = stream
+        self._opened += 1
+        self._handler_nursery.start_soon(self._run_handler, stream)
+
+    async def _run_handler(self, stream: H2Stream) -> None:
+        assert self._handler is not None
+        try:
+            await self._handler(stream)
+        except StreamError:
+            pass
+        except Exception:
+            # One failing handler costs its own stream (reset below), never the connection.
+            log.exception("handler failed on stream %d", stream.stream_id)
+        finally:
+            # The handler is done with the stream. A response it did not finish is an
+            # internal error; a request body it did not read is refused (NO_ERROR, RFC 9113
+            # 8.1), so the peer stops sending and no window stays held.
+            try:
+                if stream._error is None and not stream._sent_end:
+                    await stream.reset(h2.errors.ErrorCodes.INTERNAL_ERROR)
+                elif stream._error is None and not stream._eof:
+                    await stream.reset(h2.errors.ErrorCodes.NO_ERROR)
+            finally:
+                # A complete body the handler did not read still holds connection window.
+                stream._discard()
+                self._streams.pop(stream.stream_id, None)
+                self._idle_lot.unpark_all()
+
+    def _settle(self, stream: H2Stream) -> None:
+        """Forget a stream both sides have ended; its object keeps what is still unread."""
+        if stream._sent_end and stream._eof and self._streams.get(stream.stream_id) is stream:
+            del self._streams[stream.stream_id]
+            self._idle_lot.unpark_all()
+
+    def _on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
+        last = event.last_stream_id or 0
+        self._draining = True
+        error = int(event.error_code or 0)
+        for sid, stream in list(self._streams.items()):
+            mine = (sid % 2 == 1) == self.client_side
+            if mine and sid > last:
+                stream._fail(StreamRefused(f"stream {sid} not processed: peer is going away"))
+                self._streams.pop(sid, None)
+        if error != h2.errors.ErrorCodes.NO_ERROR:
+            try:
+                name = h2.errors.ErrorCodes(error).name
+            except ValueError:
+                name = str(error)
+            self._mark_closed(f"peer sent GOAWAY ({name})")
+        self._idle_lot.unpark_all()
+
+    def _mark_closed(self, reason: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close_reason = reason
+        for stream in list(self._streams.values()):
+            stream._fail(ConnectionLost(f"connection lost: {reason}"))
+        self._streams.clear()
+        self._closed_event.set()
+        self._idle_lot.unpark_all()
+        self._ping_lot.unpark_all()
+        if self._handler_nursery is not None:
+            self._handler_nursery.cancel_scope.cancel()
+
+    async def aclose(self) -> None:
+        """Close now: GOAWAY, then the transport; open streams fail with ConnectionLost."""
+        if not self._closed:
+            self._proto.go_away()
+            try:
+                await self._flush()
+            except trio.BrokenResourceError:
+                pass
+            self._mark_closed("closed locally")
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            try:
+                await self.transport.aclose()
+            except trio.BrokenResourceError:
+                pass
+
+    async def drain(self) -> None:
+        """GOAWAY(NO_ERROR): streams in flight finish, no new ones start. Waits for them."""
+        if not self._draining and not self._closed:
+            self._draining = True
+            self._proto.go_away()
+            await self._flush()
+        while self._streams and not self._closed:
+            await self._idle_lot.park()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def close_reason(self) -> str | None:
+        return self._close_reason
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def usable(self) -> bool:
+        """True while new streams may be opened on this connection."""
+        return not self._closed and not self._draining
+
+    async def wait_closed(self) -> None:
+        await self._closed_event.wait()
+
+    def statistics(self) -> ConnectionStatistics:
+        return ConnectionStatistics(
+            open_streams=len(self._streams),
+            streams_opened=self._opened,
+            bytes_buffered=sum(s.buffered_bytes for s in self._streams.values()),
+            draining=self._draining,
+            closed=self._closed,
+            last_rtt_s=self._last_rtt,
+        )
+
+    # -- writing --
+
+    async def _flush(self) -> None:
+        """Send what h2 has queued. A write, once started, is never cut by cancellation (a
+        half-written frame would corrupt every stream); it is bounded by the write timeout
+        instead, past which the peer is taken to have stopped reading and the connection
+        closes."""
+        if not self._proto.has_data_to_send():
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            # Uncontended, the lock is taken without a trip through the scheduler: the send
+            # below is this call's checkpoint.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                self._write_lock.acquire_nowait()
+            except trio.WouldBlock:
+                await self._write_lock.acquire()
+            try:
+                data = self._proto.data_to_send()
+                if not data:
+                    await trio.lowlevel.checkpoint()
+                    return
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(self._write_timeout_s) as timer:
+                        try:
+                            await self.transport.send_all(data)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                            self._mark_closed(f"transport broke while sending: {exc}")
+                            raise ConnectionLost(f"connection lost: {exc}") from exc
+                if timer.cancelled_caught:
+                    reason = (
+                        f"peer stopped reading (a write did not finish in "
+                        f"{self._write_timeout_s:g} s)"
+                    )
+                    log.warning(
+                        "http2 connection closed: %s", reason, extra={"connection": self.name}
+                    )
+                    self._mark_closed(reason)
+                    with trio.CancelScope(shield=True):
+                        await trio.aclose_forcefully(self.transport)
+                    raise ConnectionLost(f"connection lost: {reason}")
+            finally:
+                self._write_lock.release()
+        except trio.Cancelled:
+            # Frames a cancelled caller queued (a reset, an END_STREAM from a cancelled
+            # aclose) must still go out, or the peer waits on them for ever.
+            self._flush_later()
+            raise
+
+    def _flush_later(self) -> None:
+        """Have the connection's own nursery send whatever h2 holds."""
+        nursery = self._handler_nursery
+        if (
+            self._closed
+            or self._flush_scheduled
+            or nursery is None
+            or nursery.cancel_scope.cancel_called
+        ):
+            return
+        self._flush_scheduled = True
+        nursery.start_soon(self._flush_scheduled_frames)
+
+    async def _flush_scheduled_frames(self) -> None:
+        try:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await self._flush()
+        finally:
+            # Cleared only now, so a cancelled flush here does not schedule another.
+            self._flush_scheduled = False
+
+    @contextlib.contextmanager
+    def _h2_errors(self, stream: H2Stream) -> Iterator[None]:
+        """Turn h2's refusal to act on a stream into our errors, with the real cause."""
+        try:
+            yield
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError) as exc:
+            if stream._error is not None:
+                raise stream._error from None
+            if self._closed:
+                raise ConnectionLost(f"connection lost: {self._close_reason}") from None
+            raise StreamError(f"stream {stream.stream_id}: {exc}") from None
+
+    # -- client role --
+
+    async def open_stream(self, headers: Headers, *, end_stream: bool = False) -> H2Stream:
+        """Open a new stream by sending its request headers."""
+        if self._closed:
+            raise ConnectionLost(f"connection lost: {self._close_reason}")
+        if self._draining:
+            raise StreamRefused("connection is draining; open the stream elsewhere")
+        await self._ready.wait()
+        try:
+            sid = self._proto.h2.get_next_available_stream_id()
+        except h2.exceptions.NoAvailableStreamIDError:
+            self._draining = True
+            raise StreamRefused("stream ids exhausted; open the stream elsewhere") from None
+        stream = H2Stream(self, sid)
+        self._streams[sid] = stream
+        self._opened += 1
+        while True:
+            try:
+                self._proto.h2.send_headers(sid, headers, end_stream=end_stream)
+                break
+            except h2.exceptions.TooManyStreamsError:
+                # Wait for one of ours to end rather than failing the caller.
+                await self._idle_lot.park()
+                if self._closed:
+                    self._streams.pop(sid, None)
+                    raise ConnectionLost(f"connection lost: {self._close_reason}") from None
+            except h2.exceptions.ProtocolError as exc:
+                self._streams.pop(sid, None)
+                raise StreamError(f"cannot open stream: {exc}") from None
+        if end_stream:
+            stream._sent_end = True
+        await self._flush()
+        return stream
+
+    def forget(self, stream: H2Stream) -> None:
+        """Drop a finished client stream from the table (its owner is done with it)."""
+        if self._streams.get(stream.stream_id) is stream:
+            del self._streams[stream.stream_id]
+        # Unread body bytes would hold connection window for ever.
+        stream._discard()
+        self._idle_lot.unpark_all()
+
+    # -- liveness --
+
+    async def ping(self) -> float:
+        """Send one PING and wait for its ACK; returns the round trip in seconds."""
+        opaque = next(self._ping_ids).to_bytes(8, "big")
+        sent = trio.current_time()
+        self._pings[opaque] = sent
+        self._proto.h2.ping(opaque)
+        await self._flush()
+        while opaque in self._pings:
+            if self._closed:
+                raise ConnectionLost(f"connection lost: {self._close_reason}")
+            await self._ping_lot.park()
+        return trio.current_time() - sent
+
+    async def _keepalive_loop(self, config: KeepaliveConfig) -> None:
+        while not self._closed:
+            await trio.sleep(config.ping_interval_s)
+            opaque = b"ka" + os.urandom(6)
+            sent_at = trio.current_time()
+            self._pings[opaque] = sent_at
+            self._proto.h2.ping(opaque)
+            try:
+                await self._flush()
+            except ConnectionLost:
+                return
+            with trio.move_on_after(config.ping_timeout_s):
+                while opaque in self._pings and not self._closed:
+                    await self._ping_lot.park()
+            if opaque in self._pings and self._last_receive > sent_at:
+                # The ACK may sit behind a full window of data; bytes arriving are proof
+                # enough that the peer is alive.
+                self._pings.pop(opaque, None)
+                continue
+            if opaque in self._pings and not self._closed:
+                self._pings.pop(opaque, None)
+                log.warning(
+                    "http2 peer did not answer PING within %.1f s; closing",
+                    config.ping_timeout_s,
+                    extra={"connection": self.name},
+                )
+                self._mark_closed(
+                    f"peer unresponsive (PING unanswered for {config.ping_timeout_s:g} s)"
+                )
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    try:
+                        await self.transport.aclose()
+                    except trio.BrokenResourceError:
+                        pass
+                return
+
+
+@asynccontextmanager
+async def open_http2_connection(
+    transport: trio.abc.Stream,
+    *,
+    client_side: bool,
+    settings: Http2Settings | None = None,
+    keepalive: KeepaliveConfig | None = None,
+    handler: RequestHandler | None = None,
+    name: str = "",
+) -> AsyncIterator[Http2Connection]:
+    """Run a connection for the body of the `async with`; closed when it exits."""
+    conn = Http2Connection(
+        transport,
+        client_side=client_side,
+        settings=settings,
+        keepalive=keepalive,
+        handler=handler,
+        name=name,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(conn.run)
+        try:
+            yield conn
+        finally:
+            await conn.aclose()
+            nursery.cancel_scope.cancel()
+
+
+__all__ = [
+    "ConnectionLost",
+    "H2ByteStream",
+    "H2Stream",
+    "Headers",
+    "Http2Connection",
+    "KeepaliveConfig",
+    "StreamError",
+    "StreamRefused",
+    "StreamReset",
+    "header_value",
+    "open_http2_connection",
+]

@@ -1,0 +1,460 @@
+"""The worker API's request handling: authentication, routing, JSON, streams and CONNECT.
+
+One `Service` serves every HTTP/2 stream the agent accepts, whichever way the connection
+came (its own TLS listener, or the tunnel it dialed): there is no second code path. The
+bearer secret is checked before any route runs. Routes are a table of (method, path
+pattern) → handler; later capabilities add theirs to the same `Router`. A handler returns a
+response value (JSON, a byte stream) or raises `ApiError`; plain CONNECT to `host:port`
+becomes a two-way byte stream to that address on the worker's side (when policy allows it)
+and RFC 8441 extended CONNECT with `:protocol websocket` reaches WebSocket routes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import hmac
+import ipaddress
+import logging
+import time
+import urllib.parse
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from agent.wire.connection import H2ByteStream, H2Stream, Headers, StreamError
+from agent.wire.errors import ApiError, ErrorCode, dumps, loads
+from agent.wire.h2websocket import H2WebSocket
+
+log = logging.getLogger("levers9.api")
+T = TypeVar("T")
+
+MAX_JSON_BODY_BYTES = 4 * 1024 * 1024
+PROXY_CHUNK_BYTES = 1024 * 1024
+
+
+@attrs.frozen
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    params: dict[str, str]
+    stream: H2Stream
+    authority: str = ""
+    principal: str = ""
+    raw_query: str = ""
+
+    async def body(self, limit_bytes: int = MAX_JSON_BODY_BYTES) -> bytes:
+        try:
+            return await self.stream.read_all(limit_bytes)
+        except StreamError as exc:
+            if "larger than" in str(exc):
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT, f"request body is larger than {limit_bytes} bytes"
+                ) from None
+            raise
+
+    async def json(self, cls: type[T]) -> T:
+        return loads(await self.body(), cls)
+
+
+@attrs.frozen
+class JsonResponse:
+    body: Any
+    status: int = 200
+
+
+@attrs.frozen
+class StreamResponse:
+    """A body produced while it is sent (logs, object downloads): chunks from an iterator."""
+
+    chunks: Callable[[], AsyncGenerator[bytes, None]]
+    content_type: str = "application/octet-stream"
+    status: int = 200
+    headers: Sequence[tuple[str, str]] = ()
+
+
+Response = JsonResponse | StreamResponse
+Authenticator = Callable[[dict[str, str]], str | None]
+"""Returns who made the request (a principal name) from its headers, or None to refuse it."""
+
+
+def bearer_auth(token: str, principal: str = "controlplane") -> Authenticator:
+    """Accept exactly `Authorization: Bearer <token>`, compared in constant time."""
+    if not token:
+        raise ValueError("bearer authentication needs a non-empty token")
+    expected = f"Bearer {token}".encode()
+
+    def authenticate(headers: dict[str, str]) -> str | None:
+        given = headers.get("authorization", "").encode("latin-1")
+        return principal if hmac.compare_digest(given, expected) else None
+
+    return authenticate
+
+
+def bearer_token(headers: dict[str, str]) -> str | None:
+    """The token of an `Authorization: Bearer` header, if any."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+Handler = Callable[[Request], Awaitable[Response | Any]]
+WebSocketHandler = Callable[[Request, H2WebSocket], Awaitable[None]]
+Dialer = Callable[[str, int, str], Awaitable[trio.abc.HalfCloseableStream]]
+
+
+@attrs.frozen
+class _Route:
+    method: str
+    parts: tuple[str, ...]
+    handler: Any
+
+    def match(self, parts: Sequence[str]) -> dict[str, str] | None:
+        params: dict[str, str] = {}
+        if self.parts and self.parts[-1].startswith("{") and self.parts[-1].endswith("...}"):
+            # `{name...}` takes the rest of the path (zero or more segments), unquoted as-is.
+            head = len(self.parts) - 1
+            if len(parts) < head:
+                return None
+            params[self.parts[-1][1:-4]] = "/".join(parts[head:])
+            return self._match_fixed(self.parts[:head], parts[:head], params)
+        if len(parts) != len(self.parts):
+            return None
+        return self._match_fixed(self.parts, parts, params)
+
+    @staticmethod
+    def _match_fixed(
+        patterns: Sequence[str], parts: Sequence[str], params: dict[str, str]
+    ) -> dict[str, str] | None:
+        for pattern, value in zip(patterns, parts, strict=True):
+            if pattern.startswith("{") and pattern.endswith("}"):
+                if not value:
+                    return None
+                params[pattern[1:-1]] = urllib.parse.unquote(value)
+            elif pattern != value:
+                return None
+        return params
+
+
+class Router:
+    """A table of (method, path pattern) → handler; `{name}` segments become params."""
+
+    def __init__(self) -> None:
+        self._routes: list[_Route] = []
+
+    def add(self, method: str, pattern: str, handler: Handler) -> None:
+        self._routes.append(_Route(method.upper(), _split(pattern), handler))
+
+    def add_websocket(self, pattern: str, handler: WebSocketHandler) -> None:
+        self._routes.append(_Route("WEBSOCKET", _split(pattern), handler))
+
+    def route(self, method: str, pattern: str) -> Callable[[Handler], Handler]:
+        def register(handler: Handler) -> Handler:
+            self.add(method, pattern, handler)
+            return handler
+
+        return register
+
+    def resolve(self, method: str, path: str) -> tuple[Any, dict[str, str]]:
+        parts = _split(path)
+        allowed: list[str] = []
+        for route in self._routes:
+            params = route.match(parts)
+            if params is None:
+                continue
+            if route.method == method:
+                return route.handler, params
+            allowed.append(route.method)
+        if allowed:
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"{method} is not supported on {path}; use {', '.join(sorted(set(allowed)))}",
+            )
+        raise ApiError(ErrorCode.NOT_FOUND, f"no such route: {method} {path}")
+
+
+def _split(path: str) -> tuple[str, ...]:
+    return tuple(path.strip("/").split("/")) if path.strip("/") else ()
+
+
+@attrs.frozen
+class ConnectPolicy:
+    """Where a plain CONNECT may go on the worker's side: networks and ports allowed."""
+
+    networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    ports: tuple[int, ...] = ()
+
+    def check(self, host: str, port: int) -> None:
+        """Raise PERMISSION_DENIED unless `host:port` is an allowed literal address."""
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"CONNECT target {host!r} must be an IP address",
+                field=":authority",
+            ) from None
+        if not any(address in ipaddress.ip_network(n) for n in self.networks):
+            raise ApiError(
+                ErrorCode.PERMISSION_DENIED,
+                f"CONNECT to {host}:{port} is not allowed from this worker",
+                field=":authority",
+            )
+        if self.ports and port not in self.ports:
+            raise ApiError(
+                ErrorCode.PERMISSION_DENIED,
+                f"CONNECT to port {port} is not allowed from this worker",
+                field=":authority",
+            )
+
+
+def parse_authority(authority: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` → (host, port); INVALID_ARGUMENT naming :authority."""
+    try:
+        parsed = urllib.parse.urlsplit("//" + authority)
+        host, port = parsed.hostname, parsed.port
+    except ValueError:
+        host, port = None, None
+    if not host or port is None or not 0 < port < 65536:
+        raise ApiError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"CONNECT needs :authority host:port, not {authority!r}",
+            field=":authority",
+        )
+    return host, port
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _decode(headers: Headers) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+
+
+def _date() -> bytes:
+    """The `date` header (RFC 9110 6.6.1): callers compare it with their clock (self-check)."""
+    return email.utils.formatdate(usegmt=True).encode()
+
+
+def _error_headers(status: int) -> Headers:
+    return [
+        (b":status", str(status).encode()),
+        (b"content-type", b"application/json"),
+        (b"date", _date()),
+    ]
+
+
+class Service:
+    """Handles every stream of a worker-API connection: auth, then routing."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        authenticate: Authenticator,
+        connect_policy: ConnectPolicy | None = None,
+        resolve_name: Callable[[str], str] | None = None,
+        dial: Dialer | None = None,
+        name: str = "worker",
+    ) -> None:
+        self.router = router
+        self.authenticate = authenticate
+        self.connect_policy = connect_policy
+        self.resolve_name = resolve_name
+        """Plain CONNECT to a name (not an address): the name → the address to dial, or
+        ApiError (containers' ports are reached as `<container id>:<port>`)."""
+        self.dial = dial
+        """Plain CONNECT served by the caller: (host, port, principal) → the stream to splice
+        with (the controlplane reaches a task's port through its worker)."""
+        self.name = name
+
+    async def __call__(self, stream: H2Stream) -> None:
+        started = time.monotonic()
+        headers = _decode(stream.headers or [])
+        method = headers.get(":method", "")
+        raw_path = headers.get(":path", "")
+        path, _, query = raw_path.partition("?")
+        status = 0
+        try:
+            status = await self._handle(stream, headers, method, path, query)
+        except ApiError as exc:
+            status = exc.code.status
+            await self._send_error(stream, exc)
+        except StreamError:
+            status = 499
+        except Exception:
+            log.exception("%s: handler failed for %s %s", self.name, method, path)
+            status = 500
+            await self._send_error(
+                stream, ApiError(ErrorCode.INTERNAL, "the worker failed to handle the request")
+            )
+        finally:
+            log.info(
+                "%s %s %s",
+                method,
+                path or headers.get(":authority", ""),
+                status,
+                extra={
+                    "api": self.name,
+                    "status": status,
+                    "duration_ms": round((time.monotonic() - started) * 1000, 2),
+                },
+            )
+
+    async def _send_error(self, stream: H2Stream, exc: ApiError) -> None:
+        if stream._error is not None or stream._sent_end:
+            return
+        try:
+            if not stream.sent_headers:
+                await stream.send_headers(_error_headers(exc.code.status))
+                await stream.send_data(dumps(exc.to_body()), end_stream=True)
+        except StreamError:
+            pass
+
+    async def _handle(
+        self, stream: H2Stream, headers: dict[str, str], method: str, path: str, query: str
+    ) -> int:
+        principal = self.authenticate(headers)
+        if principal is None:
+            raise ApiError(ErrorCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        protocol = headers.get(":protocol")
+        if method == "CONNECT" and protocol is None:
+            return await self._connect(stream, headers.get(":authority", ""), principal)
+        if method == "CONNECT":
+            if protocol != "websocket":
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"extended CONNECT protocol {protocol!r} is not supported; use 'websocket'",
+                    field=":protocol",
+                )
+            handler, params = self.router.resolve("WEBSOCKET", path)
+            request = self._request(stream, headers, "WEBSOCKET", path, query, params, principal)
+            await stream.send_headers([(b":status", b"200")])
+            ws = H2WebSocket(H2ByteStream(stream), client_side=False)
+            try:
+                await handler(request, ws)
+            finally:
+                await ws.aclose()
+            return 200
+        handler, params = self.router.resolve(method, path)
+        request = self._request(stream, headers, method, path, query, params, principal)
+        result = await handler(request)
+        response = (
+            result if isinstance(result, JsonResponse | StreamResponse) else (JsonResponse(result))
+        )
+        await self._respond(stream, response)
+        return response.status
+
+    def _request(
+        self,
+        stream: H2Stream,
+        headers: dict[str, str],
+        method: str,
+        path: str,
+        query: str,
+        params: dict[str, str],
+        principal: str,
+    ) -> Request:
+        return Request(
+            method=method,
+            path=path,
+            query=dict(urllib.parse.parse_qsl(query)),
+            headers={k: v for k, v in headers.items() if not k.startswith(":")},
+            params=params,
+            stream=stream,
+            authority=headers.get(":authority", ""),
+            principal=principal,
+            raw_query=query,
+        )
+
+    async def _respond(self, stream: H2Stream, response: Response) -> None:
+        if isinstance(response, JsonResponse):
+            body = dumps(response.body)
+            await stream.send_headers(
+                [
+                    (b":status", str(response.status).encode()),
+                    (b"date", _date()),
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ]
+            )
+            await stream.send_data(body, end_stream=True)
+            return
+        head: Headers = [
+            (b":status", str(response.status).encode()),
+            (b"content-type", response.content_type.encode()),
+        ]
+        if not any(k.lower() == "date" for k, _ in response.headers):
+            head.append((b"date", _date()))  # a proxied answer keeps its origin's
+        head += [(k.lower().encode(), v.encode()) for k, v in response.headers]
+        await stream.send_headers(head)
+        async with contextlib.aclosing(response.chunks()) as chunks:
+            async for chunk in chunks:
+                if chunk:
+                    await stream.send_data(chunk)
+        await stream.end()
+
+    async def _connect(self, stream: H2Stream, authority: str, principal: str) -> int:
+        host, port = parse_authority(authority)
+        if self.dial is not None:
+            remote = await self.dial(host, port, principal)
+            async with remote:
+                await stream.send_headers([(b":status", b"200")])
+                await splice(H2ByteStream(stream), remote)
+            return 200
+        if self.resolve_name is not None and not _is_address(host):
+            host = self.resolve_name(host)
+        elif self.connect_policy is not None:
+            self.connect_policy.check(host, port)
+        else:
+            raise ApiError(ErrorCode.UNIMPLEMENTED, "CONNECT is not served here")
+        try:
+            target = await trio.open_tcp_stream(host, port)
+        except OSError as exc:
+            raise ApiError(
+                ErrorCode.UNAVAILABLE,
+                f"cannot reach {host}:{port} on the worker: {exc.strerror or exc}",
+            ) from None
+        async with target:
+            await stream.send_headers([(b":status", b"200")])
+            await splice(H2ByteStream(stream), target)
+        return 200
+
+
+async def splice(a: trio.abc.HalfCloseableStream, b: trio.abc.HalfCloseableStream) -> None:
+    """Copy both ways until both sides have ended; EOF is passed on as a half-close."""
+
+    async def pump(src: trio.abc.HalfCloseableStream, dst: trio.abc.HalfCloseableStream) -> None:
+        try:
+            while data := await src.receive_some(PROXY_CHUNK_BYTES):
+                await dst.send_all(data)
+            await dst.send_eof()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump, a, b)
+        nursery.start_soon(pump, b, a)
+
+
+__all__ = [
+    "Authenticator",
+    "ConnectPolicy",
+    "JsonResponse",
+    "Request",
+    "Router",
+    "Service",
+    "StreamResponse",
+    "bearer_auth",
+    "bearer_token",
+    "parse_authority",
+    "splice",
+]

@@ -1,0 +1,1 @@
+"""The controlplane's HTTPS API: the server, its models and its routes."""

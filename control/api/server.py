@@ -1,0 +1,531 @@
+"""The controlplane's public endpoint: one TLS listener, two protocols chosen by ALPN.
+
+- `h2`: the controlplane API (CLI, scripts, workers registering), served by the same
+  `agent.wire.service.Service` machinery the worker uses, with the controlplane's own routes.
+- `http/1.1`: a worker's tunnel. The WebSocket upgrade to `/v1/workers/<id>/tunnel` is
+  authenticated with that worker's token BEFORE it is accepted (401 otherwise, and no HTTP/2
+  is ever spoken); then HTTP/2 runs inside the WebSocket with the controlplane as the client,
+  and the registry hands that client out for the worker.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import ssl
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+import trio_websocket
+
+from agent.api.client import WorkerClient
+from agent.api.models import Registration, WorkerInfo, WorkerSummary
+from agent.wire.connection import Http2Connection, KeepaliveConfig
+from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.service import JsonResponse, Request, Router, Service, bearer_token
+from agent.wire.tls import TLSStream
+from agent.wire.wsstream import WebSocketStream, wrap_server
+from control.api.endpoints import EndpointProxy
+from control.api.tasks import WORKSPACE_PREFIX, add_task_routes
+from control.config import ControlConfig
+from control.kube.adapter import open_kube_client
+from control.kube.joined import JoinedPoolStore, own_cluster
+from control.kube.loop import PoolReconciler
+from control.kube.pools import PoolConfig, load_pools
+from control.models import PoolList, PoolView
+from control.registry import WorkerRegistry
+from control.tasks.dispatch import Dispatcher
+from control.tasks.store import open_task_store
+from control.workspaces import Workspaces
+
+REMOVE_POOL_S = 60.0
+"""How long a removed pool's Jobs may take to delete before its loop stops anyway."""
+
+log = logging.getLogger("levers9.control")
+
+WORKER_CALL_TIMEOUT_S = 30.0
+
+
+@attrs.frozen
+class WorkerList:
+    workers: tuple[WorkerSummary, ...]
+
+
+def server_ssl_context(config: ControlConfig) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(config.tls.cert_file, config.tls.key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ApiError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"cannot load config.tls.certFile/keyFile ({config.tls.cert_file}): {exc}",
+        ) from None
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    return context
+
+
+class Controlplane:
+    def __init__(
+        self, config: ControlConfig, registry: WorkerRegistry, dispatcher: Dispatcher
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.workspaces = dispatcher.workspaces
+        self.proxy = EndpointProxy()
+
+        async def forget_connections(task_id: str) -> None:
+            await self.proxy.forget_where(lambda key: isinstance(key, tuple) and key[1] == task_id)
+
+        dispatcher.on_ended.append(forget_connections)
+        self._api_tokens = {t.token: t.name for t in config.api_tokens}
+        self._pools: dict[str, _PoolRun] = {}
+        self.config_pools: tuple[PoolConfig, ...] = ()
+        self.joined: JoinedPoolStore | None = None
+        self._pools_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self.pool_env: Mapping[str, str] | None = None
+        router = self._router()
+        dial = add_task_routes(router, dispatcher, self.proxy)
+        self.service = Service(router, authenticate=self._authenticate, dial=dial, name="control")
+        self.port = 0
+        self.keepalive = KeepaliveConfig(
+            ping_interval_s=config.tunnel.ping_interval_s,
+            ping_timeout_s=config.tunnel.ping_timeout_s,
+        )
+
+    def _authenticate(self, headers: dict[str, str]) -> str | None:
+        token = bearer_token(headers)
+        if token is None:
+            return None
+        api = None
+        for known, name in self._api_tokens.items():
+            if hmac.compare_digest(known.encode(), token.encode()):
+                api = name
+        if api is not None:
+            return f"api:{api}"
+        workspace = self.workspaces.authenticate(token)
+        if workspace is not None:
+            return f"{WORKSPACE_PREFIX}{workspace}"
+        worker = self.registry.authenticate_worker(token)
+        return f"worker:{worker}" if worker is not None else None
+
+    def _router(self) -> Router:
+        router = Router()
+
+        def require_api(request: Request) -> None:
+            if not request.principal.startswith("api:"):
+                raise ApiError(
+                    ErrorCode.PERMISSION_DENIED, "this call needs an operator token (apiTokens)"
+                )
+
+        def require_user(request: Request) -> None:
+            if not request.principal.startswith(("api:", WORKSPACE_PREFIX)):
+                raise ApiError(ErrorCode.PERMISSION_DENIED, "this call needs an API token")
+
+        async def register(request: Request) -> WorkerSummary:
+            worker_id = request.params["worker_id"]
+            if request.principal != f"worker:{worker_id}":
+                raise ApiError(
+                    ErrorCode.PERMISSION_DENIED, f"this token may not register worker {worker_id}"
+                )
+            registration = await request.json(Registration)
+            if registration.worker_id != worker_id:
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"workerId {registration.worker_id!r} does not match the path's {worker_id!r}",
+                    field="workerId",
+                )
+            self.registry.register(registration)
+            return next(w for w in self.registry.list() if w.worker_id == worker_id)
+
+        async def deregister(request: Request) -> JsonResponse:
+            worker_id = request.params["worker_id"]
+            if request.principal != f"worker:{worker_id}":
+                raise ApiError(
+                    ErrorCode.PERMISSION_DENIED,
+                    f"this token may not deregister worker {worker_id}",
+                )
+            if self.dispatcher.has_tasks(worker_id):
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"worker {worker_id} has tasks placed on it; it stays",
+                )
+            self.registry.deregister(worker_id)
+            log.info("worker %s deregistered: it winds down", worker_id)
+            return JsonResponse({})
+
+        async def list_workers(request: Request) -> WorkerList:
+            require_api(request)
+            return WorkerList(tuple(self.registry.list()))
+
+        async def get_worker(request: Request) -> WorkerInfo:
+            require_api(request)
+            worker_id = request.params["worker_id"]
+            with trio.move_on_after(WORKER_CALL_TIMEOUT_S) as scope:
+                client = await self.registry.client_for(worker_id)
+                return await client.worker()
+            assert scope.cancelled_caught
+            raise ApiError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"worker {worker_id} did not answer within {WORKER_CALL_TIMEOUT_S:g} s",
+            )
+
+        async def list_machines(request: Request) -> JsonResponse:
+            require_user(request)
+            return JsonResponse(
+                {
+                    "machines": [m.to_json() for r in self.pools for m in r.status.machines],
+                    "pools": [
+                        {
+                            "pool": r.status.pool,
+                            "passedAt": r.status.passed_at,
+                            "error": r.status.error,
+                            "skipped": [
+                                {"node": n.node, "reason": n.reason} for n in r.status.skipped
+                            ],
+                        }
+                        for r in self.pools
+                    ],
+                }
+            )
+
+        def joined_store() -> JoinedPoolStore:
+            if self.joined is None:
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    "this controlplane keeps no joined pools (config.joinedPools is not set, "
+                    "or its store could not be read yet); add the pool's block to "
+                    "config.worker.pools instead",
+                )
+            return self.joined
+
+        def refuse_configured(name: str, advice: str) -> None:
+            if any(pool.name == name for pool in self.config_pools):
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"pool {name} comes from config.worker.pools; {advice}",
+                    field="name",
+                )
+
+        async def list_pools(request: Request) -> PoolList:
+            require_api(request)
+            return PoolList(tuple(self.pool_views()), joined_pools=self.joined is not None)
+
+        async def put_pool(request: Request) -> PoolView:
+            require_api(request)
+            name = request.params["name"]
+            refuse_configured(name, "change it in the values, or join under another name")
+            block = _json_mapping(await request.body())
+            if block.get("name", name) != name:
+                raise ApiError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"name {block.get('name')!r} does not match the path's {name!r}",
+                    field="name",
+                )
+            store = joined_store()
+            kept = store.blocks.get(name, {}).get("kubernetes", {})
+            given = block.get("kubernetes")
+            if (
+                kept
+                and isinstance(given, Mapping)
+                and kept.get("endpoint") != given.get("endpoint")
+            ):
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"pool {name} is joined from {kept.get('endpoint')}; another cluster needs "
+                    f"another name, or `levers9 cluster leave {name}` first",
+                    field="kubernetes.endpoint",
+                )
+            async with self._pools_lock:
+                pool = await store.put({**block, "name": name})
+                await self.set_pools([*self.config_pools, *store.pools()])
+            log.info("pool %s joined (%s)", name, pool.kubernetes.endpoint)
+            return next(v for v in self.pool_views() if v.name == name)
+
+        async def delete_pool(request: Request) -> PoolView:
+            require_api(request)
+            name = request.params["name"]
+            refuse_configured(name, "delete its block from the values and deploy")
+            store = joined_store()
+            views = [v for v in self.pool_views() if v.name == name]
+            if not views:
+                raise ApiError(ErrorCode.NOT_FOUND, f"no joined pool named {name}")
+            async with self._pools_lock:
+                await store.remove(name)
+                await self.set_pools([*self.config_pools, *store.pools()])
+            log.info("pool %s left: its workers were removed", name)
+            return views[0]
+
+        router.add("GET", "/v1/pools", list_pools)
+        router.add("PUT", "/v1/pools/{name}", put_pool)
+        router.add("DELETE", "/v1/pools/{name}", delete_pool)
+        router.add("GET", "/v1/machines", list_machines)
+        router.add("POST", "/v1/workers/{worker_id}/register", register)
+        router.add("POST", "/v1/workers/{worker_id}/deregister", deregister)
+        router.add("GET", "/v1/workers", list_workers)
+        router.add("GET", "/v1/workers/{worker_id}", get_worker)
+        return router
+
+    def pool_views(self) -> list[PoolView]:
+        joined = set(self.joined.blocks) if self.joined is not None else set()
+        views = []
+        for name, run in sorted(self._pools.items()):
+            kube = run.pool.kubernetes
+            status = run.reconciler.status if run.reconciler is not None else None
+            views.append(
+                PoolView(
+                    name=name,
+                    source="joined" if name in joined else "config",
+                    flavor=kube.flavor.value,
+                    endpoint=kube.endpoint,
+                    namespace=kube.namespace,
+                    selector=kube.selector.label_selector(),
+                    tunnel=kube.tunnel,
+                    host_network=kube.host_network,
+                    image=kube.image,
+                    machines=len(status.machines) if status is not None else 0,
+                    error=status.error if status is not None else None,
+                )
+            )
+        return views
+
+    async def set_config_pools(self, pools: Sequence[PoolConfig]) -> None:
+        """The configured pools changed (start-up or SIGHUP); joined pools stay, except one
+        whose name a configured pool now takes."""
+        async with self._pools_lock:
+            self.config_pools = tuple(pools)
+            names = {pool.name for pool in pools}
+            joined = self.joined.pools() if self.joined is not None else []
+            for pool in joined:
+                if pool.name in names:
+                    log.warning(
+                        "joined pool %s is shadowed by config.worker.pools[%s]",
+                        pool.name,
+                        pool.name,
+                    )
+            await self.set_pools([*pools, *(p for p in joined if p.name not in names)])
+
+    async def keep_joined_pools(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Open the joined-pool store in the controlplane's own cluster and start the pools it
+        keeps. Started once the first read is done, or has failed: then it is retried while
+        the configured pools and the API already run."""
+        settings = self.config.joined_pools
+        assert settings is not None
+        own, namespace = own_cluster(settings)
+        async with open_kube_client(own) as kube:
+            store = JoinedPoolStore(kube, namespace)
+            delay_s = 1.0
+            while True:
+                try:
+                    await store.load()
+                    break
+                except ApiError as exc:
+                    # The first failure does not hold up the configured pools and the API.
+                    task_status.started()
+                    task_status = trio.TASK_STATUS_IGNORED
+                    log.warning(
+                        "joined pools: cannot read them from namespace %s, retrying in %g s: %s",
+                        namespace,
+                        delay_s,
+                        exc.message,
+                    )
+                await trio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 30.0)
+            self.joined = store
+            log.info("joined pools: %d kept in namespace %s", len(store.blocks), namespace)
+            await self.set_config_pools(self.config_pools)
+            task_status.started()
+            await trio.sleep_forever()
+
+    @property
+    def pools(self) -> list[PoolReconciler]:
+        return [run.reconciler for run in self._pools.values() if run.reconciler is not None]
+
+    async def set_pools(self, pools: Sequence[PoolConfig]) -> None:
+        """Reconcile exactly these pools from now on: a new block starts, a changed one
+        restarts, and a removed one has its Jobs and Secrets deleted (never the namespace,
+        never a node) before its loop stops."""
+        assert self._nursery is not None
+        wanted = {pool.name: pool for pool in pools}
+        for name, run in list(self._pools.items()):
+            if wanted.get(name) != run.pool:
+                run.remove = name not in wanted
+                run.scope.cancel()
+                await run.done.wait()
+                del self._pools[name]
+        for name, pool in wanted.items():
+            if name not in self._pools:
+                await self._nursery.start(self._run_pool, pool)
+
+    async def _run_pool(
+        self, pool: PoolConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        run = _PoolRun(pool=pool)
+        self._pools[pool.name] = run
+        try:
+            async with open_kube_client(pool) as kube:
+                run.reconciler = PoolReconciler(
+                    pool,
+                    kube,
+                    self.registry,
+                    controlplane_url=self.config.public_url,
+                    extra_env=self.pool_env,
+                    on_worker_gone=self.dispatcher.worker_gone,
+                )
+                with run.scope:
+                    await run.reconciler.run(task_status=task_status)
+                if run.remove:
+                    with trio.CancelScope(shield=True), trio.move_on_after(REMOVE_POOL_S):
+                        try:
+                            await run.reconciler.remove_all()
+                        except ApiError as exc:
+                            log.warning(
+                                "pool %s: its workers could not be removed: %s", pool.name, exc
+                            )
+                    log.info("pool %s removed", pool.name)
+        finally:
+            run.done.set()
+
+    async def handle_connection(self, tcp: trio.SocketStream, context: ssl.SSLContext) -> None:
+        tls = TLSStream(tcp, context, server_side=True)
+        try:
+            with trio.fail_after(self.config.tunnel.handshake_timeout_s):
+                await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+            log.info("TLS handshake failed: %s", exc)
+            await tls.aclose()
+            return
+        if tls.selected_alpn_protocol() == "h2":
+            conn = Http2Connection(tls, client_side=False, handler=self.service, name="api")
+            await conn.run()
+            return
+        await self._accept_tunnel(tls)
+
+    async def _accept_tunnel(self, tls: TLSStream) -> None:
+        async with trio.open_nursery() as nursery:
+            try:
+                with trio.fail_after(self.config.tunnel.handshake_timeout_s):
+                    request = await wrap_server(nursery, tls)
+            except (trio.BrokenResourceError, trio.TooSlowError, trio_websocket.HandshakeError):
+                nursery.cancel_scope.cancel()
+                await tls.aclose()
+                return
+            parts = request.path.split("?")[0].strip("/").split("/")
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+            token = bearer_token(headers)
+            if len(parts) != 4 or parts[:2] != ["v1", "workers"] or parts[3] != "tunnel":
+                await request.reject(404, body=b"no such endpoint\n")
+                nursery.cancel_scope.cancel()
+                return
+            worker_id = parts[2]
+            if token is None or not self.registry.check_token(worker_id, token):
+                log.warning("tunnel for worker %s refused: wrong or missing token", worker_id)
+                await request.reject(401, body=b"wrong or missing worker token\n")
+                nursery.cancel_scope.cancel()
+                return
+            ws = await request.accept()
+            conn = Http2Connection(
+                WebSocketStream(ws, tls),
+                client_side=True,
+                keepalive=self.keepalive,
+                name=f"tunnel {worker_id}",
+            )
+            await nursery.start(conn.run)
+            client = WorkerClient(conn, token=token, authority=worker_id)
+            self.registry.attach_tunnel(worker_id, client, version=headers.get("x-levers9-version"))
+            log.info("worker %s connected through its tunnel", worker_id)
+            nursery.start_soon(self._learn, worker_id, client)
+            try:
+                await conn.wait_closed()
+            finally:
+                self.registry.detach_tunnel(worker_id, client)
+                log.info("tunnel of worker %s closed: %s", worker_id, conn.close_reason)
+                nursery.cancel_scope.cancel()
+
+    async def _learn(self, worker_id: str, client: WorkerClient) -> None:
+        """Ask a newly tunnelled worker about itself (its cards, node, version)."""
+        with trio.move_on_after(WORKER_CALL_TIMEOUT_S):
+            try:
+                info = await client.worker()
+            except ApiError as exc:
+                log.info("could not ask worker %s about itself: %s", worker_id, exc.message)
+                return
+            self.registry.learn(info)
+
+
+def _json_mapping(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, "body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(
+            ErrorCode.INVALID_ARGUMENT, "body must be a pool block (a JSON object with kubernetes)"
+        )
+    return data
+
+
+@attrs.define(eq=False)
+class _PoolRun:
+    pool: PoolConfig
+    reconciler: PoolReconciler | None = None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    remove: bool = False
+
+
+async def serve_controlplane(
+    config: ControlConfig,
+    *,
+    pool_env: Mapping[str, str] | None = None,
+    task_status: trio.TaskStatus[Controlplane] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the public endpoint and reconcile every configured pool until cancelled;
+    `started()` gives the `Controlplane`. `pool_env` is extra environment for every worker
+    Job (e.g. the controlplane's CA for agents)."""
+    context = server_ssl_context(config)
+    pools = load_pools(config.worker.pools, config.worker.pool_credentials).pools
+    async with open_task_store(config.database.path) as store, trio.open_nursery() as nursery:
+        registry = WorkerRegistry(
+            {t.worker_id: t.token for t in config.worker.tokens},
+            nursery,
+            keepalive=KeepaliveConfig(
+                ping_interval_s=config.tunnel.ping_interval_s,
+                ping_timeout_s=config.tunnel.ping_timeout_s,
+            ),
+        )
+        dispatcher = Dispatcher(
+            store,
+            registry,
+            Workspaces(config.workspaces),
+            lost_after_s=config.worker.lost_after_s,
+        )
+        control = Controlplane(config, registry, dispatcher)
+        control.pool_env = pool_env
+        control._nursery = nursery
+        listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
+        port = int(listeners[0].socket.getsockname()[1])
+        control.port = port
+
+        async def handle(tcp: trio.SocketStream) -> None:
+            await control.handle_connection(tcp, context)
+
+        await nursery.start(dispatcher.run)
+        await nursery.start(trio.serve_listeners, handle, listeners)
+        log.info("controlplane listening on %s:%d", config.listen_host, port)
+        await control.set_config_pools(pools)
+        if config.joined_pools is not None:
+            await nursery.start(control.keep_joined_pools)
+        task_status.started(control)
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await control.proxy.aclose()

@@ -1,0 +1,308 @@
+"""The controlplane's task routes: what `levers9 run`, `task`, `exec` and `port` call.
+
+Every handler first takes the workspace from the caller's token, then works only inside it: a
+task id of another workspace is NOT_FOUND like an unknown one. The handlers are thin: records
+come from the `TaskStore`, placement and the containers' lifecycle belong to the `Dispatcher`,
+and the worker is reached through it (directly or through the tunnel, the same call either
+way). Log streams, exec and port traffic are relayed, never buffered whole:
+
+- logs follow a task from pending (the stream waits for it to start) through its worker's log
+  to the end, then from the kept log once the container is gone, without repeating a line;
+- exec relays the worker's exec WebSocket message by message;
+- a box port is a CONNECT stream spliced with the worker's CONNECT to the container's port;
+- an endpoint request is forwarded as HTTP/1.1 over such a stream (`control.api.endpoints`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+
+import trio
+
+from agent.api.digests import parse_digest
+from agent.api.models import VolumeSpec
+from agent.api.reference import parse_reference
+from agent.wire.errors import ApiError, ErrorCode, dumps
+from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
+from agent.wire.service import Dialer, JsonResponse, Request, Router, StreamResponse
+from control.api.endpoints import EndpointProxy, upstream_target
+from control.models import TaskList, TaskRequest, TaskSnapshot, TaskView
+from control.tasks.dispatch import SCHEDULE_EVERY_S, Dispatcher, WorkerLost
+from control.tasks.store import ACTIVE_ON_WORKER, TaskRecord, TaskSpec, TaskState
+
+log = logging.getLogger("levers9.tasks")
+
+WORKSPACE_PREFIX = "ws:"
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+NOT_STARTED_RETRY_S = 0.05
+
+
+def workspace_of(request_principal: str) -> str:
+    if not request_principal.startswith(WORKSPACE_PREFIX):
+        raise ApiError(
+            ErrorCode.PERMISSION_DENIED,
+            "task calls need a workspace token (one of config.workspaces[].tokens)",
+        )
+    return request_principal[len(WORKSPACE_PREFIX) :]
+
+
+def spec_of(request: TaskRequest, volumes: tuple[VolumeSpec, ...]) -> TaskSpec:
+    if request.snapshot is not None:
+        try:
+            parse_digest(request.snapshot)
+        except ApiError:
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"field 'snapshot': {request.snapshot!r} is not a digest (sha256:<64 hex>); "
+                "use the one `levers9 task snapshot` printed",
+                field="snapshot",
+            ) from None
+    try:
+        parse_reference(request.image)
+    except ApiError as exc:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, exc.message, field="image") from None
+    return TaskSpec(
+        image=request.image,
+        command=request.command,
+        args=request.args,
+        env=dict(request.env),
+        cards=request.cards,
+        cpu_millis=request.cpu_millis,
+        memory_bytes=request.memory_bytes,
+        volumes=volumes,
+        ports=request.ports,
+        timeout_s=request.timeout_s,
+        snapshot=request.snapshot,
+    )
+
+
+def query_states(raw: str | None) -> list[TaskState] | None:
+    if not raw:
+        return None
+    out = []
+    for name in raw.split(","):
+        try:
+            out.append(TaskState(name.strip()))
+        except ValueError:
+            known = ", ".join(s.value for s in TaskState)
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"query 'state': {name!r} is not a task state; use {known}",
+                field="state",
+            ) from None
+    return out
+
+
+def query_limit(raw: str | None) -> int:
+    if raw is None:
+        return 100
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise ApiError(
+            ErrorCode.INVALID_ARGUMENT, "query 'limit' must be a number 1-1000", field="limit"
+        )
+    return int(raw)
+
+
+def _flag(request: Request, name: str) -> bool:
+    raw = request.query.get(name, "false").lower()
+    if raw not in ("1", "true", "yes", "0", "false", "no"):
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"query {name!r} must be true or false")
+    return raw in ("1", "true", "yes")
+
+
+def _running(record: TaskRecord, what: str) -> str:
+    """The worker of a running task, or why `what` cannot be done now. A starting task is let
+    through to its worker, which knows best whether the container runs yet: its first output
+    can reach a user before the record says running."""
+    if record.state not in ACTIVE_ON_WORKER or record.worker is None:
+        hint = "wait until it runs" if not record.state.terminal else "it has ended"
+        raise ApiError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"task {record.id} is {record.state.value}; {what} needs it running ({hint})",
+        )
+    return record.worker
+
+
+def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy) -> Dialer:
+    """Adds the task routes; returns the CONNECT dialer for box ports."""
+    store = dispatcher.store
+
+    async def create(request: Request) -> JsonResponse:
+        workspace = workspace_of(request.principal)
+        asked = await request.json(TaskRequest)
+        volumes = dispatcher.workspaces.volumes(workspace, asked.volumes)
+        record = await store.create(workspace, spec_of(asked, volumes))
+        log.info("task %s created in workspace %s (%s)", record.id, workspace, asked.image)
+        dispatcher.wake()
+        return JsonResponse(dispatcher.view(record), status=201)
+
+    async def list_tasks(request: Request) -> TaskList:
+        workspace = workspace_of(request.principal)
+        records = await store.list(
+            workspace,
+            query_states(request.query.get("state")),
+            query_limit(request.query.get("limit")),
+        )
+        return TaskList(tuple(dispatcher.view(r) for r in records))
+
+    async def get(request: Request) -> TaskView:
+        record = await store.get(workspace_of(request.principal), request.params["id"])
+        return dispatcher.view(record)
+
+    async def wait(request: Request) -> TaskView:
+        workspace = workspace_of(request.principal)
+        return dispatcher.view(await dispatcher.wait_ended(workspace, request.params["id"]))
+
+    async def cancel(request: Request) -> TaskView:
+        workspace = workspace_of(request.principal)
+        return dispatcher.view(await dispatcher.cancel(workspace, request.params["id"]))
+
+    async def snapshot(request: Request) -> JsonResponse:
+        workspace = workspace_of(request.principal)
+        taken: TaskSnapshot = await dispatcher.snapshot(workspace, request.params["id"])
+        return JsonResponse(taken, status=201)
+
+    async def logs(request: Request) -> StreamResponse:
+        workspace = workspace_of(request.principal)
+        task_id = request.params["id"]
+        follow = _flag(request, "follow")
+        await store.get(workspace, task_id)  # NOT_FOUND before the stream starts
+
+        async def lines() -> AsyncGenerator[bytes, None]:
+            sent = 0
+            while True:
+                record = await store.get(workspace, task_id)
+                if record.state.terminal:
+                    kept = await store.logs(workspace, task_id)
+                    if kept is None and dispatcher.watching(task_id):
+                        # Its watcher is still keeping the log; it is there in a moment.
+                        with trio.move_on_after(SCHEDULE_EVERY_S):
+                            await dispatcher.wait_changed()
+                        continue
+                    rest = (kept or b"").splitlines(keepends=True)[sent:]
+                    if rest:
+                        yield b"".join(rest)
+                    return
+                if record.state is TaskState.PENDING or record.worker is None:
+                    if not follow:
+                        return
+                    with trio.move_on_after(SCHEDULE_EVERY_S):
+                        await dispatcher.wait_changed()
+                    continue
+                try:
+                    with trio.fail_after(dispatcher.lost_after_s):
+                        client = await dispatcher.registry.client_for(record.worker)
+                    seen = 0
+                    async with contextlib.aclosing(
+                        client.container_logs(task_id, follow=follow)
+                    ) as source:
+                        async for line in source:
+                            seen += 1
+                            if seen <= sent:
+                                continue
+                            sent += 1
+                            yield dumps(line) + b"\n"
+                except ApiError as exc:
+                    if exc.code is ErrorCode.NOT_FOUND:
+                        # Not created yet, or already deleted once the task ended.
+                        if not follow and record.state is TaskState.STARTING:
+                            return
+                        await trio.sleep(NOT_STARTED_RETRY_S)
+                        continue
+                    if exc.code is not ErrorCode.UNAVAILABLE:
+                        raise
+                    await trio.sleep(NOT_STARTED_RETRY_S * 10)
+                    continue
+                except trio.TooSlowError:
+                    raise ApiError(
+                        ErrorCode.UNAVAILABLE,
+                        f"the worker of task {task_id} is unreachable; try again later",
+                    ) from None
+                if not follow:
+                    return
+                # The container ended; the kept log holds anything written after our stream.
+                await dispatcher.wait_ended(workspace, task_id)
+
+        return StreamResponse(lines, content_type="application/x-ndjson")
+
+    async def exec_(request: Request, ws: H2WebSocket) -> None:
+        try:
+            workspace = workspace_of(request.principal)
+            record = await store.get(workspace, request.params["id"])
+            worker = _running(record, "exec")
+            upstream = await dispatcher.on_worker(
+                worker, lambda c: c.open_websocket(f"/v1/containers/{record.id}/exec")
+            )
+        except (ApiError, WorkerLost) as exc:
+            error = exc if isinstance(exc, ApiError) else ApiError(ErrorCode.UNAVAILABLE, str(exc))
+            with contextlib.suppress(WebSocketClosed):
+                await ws.send_message(dumps(error.to_body()).decode())
+                await ws.aclose(1008, error.message[:120])
+            return
+        try:
+            await relay(ws, upstream)
+        finally:
+            await upstream.aclose()
+
+    async def endpoint(request: Request) -> StreamResponse:
+        workspace = workspace_of(request.principal)
+        record = await dispatcher.running_record(workspace, request.params["id"])
+        port_text = request.params["port"]
+        port = int(port_text) if port_text.isdigit() else 0
+        if port not in record.spec.ports:
+            declared = ", ".join(map(str, record.spec.ports)) or "none"
+            raise ApiError(
+                ErrorCode.NOT_FOUND,
+                f"task {record.id} declares no port {port_text} (its ports: {declared}); "
+                "declare it with --port when running the task",
+            )
+        worker = _running(record, "its endpoint")
+        raw = request.path + (f"?{request.raw_query}" if request.raw_query else "")
+        target = upstream_target(raw, strip_segments=5)
+
+        async def open_stream() -> trio.abc.HalfCloseableStream:
+            try:
+                return await dispatcher.on_worker(worker, lambda c: c.connect_tcp(record.id, port))
+            except WorkerLost as exc:
+                raise ApiError(ErrorCode.UNAVAILABLE, str(exc)) from None
+
+        return await proxy.forward(
+            request, key=(worker, record.id, port), target=target, open_stream=open_stream
+        )
+
+    async def dial(host: str, port: int, principal: str) -> trio.abc.HalfCloseableStream:
+        workspace = workspace_of(principal)
+        record = await dispatcher.running_record(workspace, host)
+        worker = _running(record, "a port")
+        try:
+            return await dispatcher.on_worker(worker, lambda c: c.connect_tcp(record.id, port))
+        except WorkerLost as exc:
+            raise ApiError(ErrorCode.UNAVAILABLE, str(exc)) from None
+
+    router.add("POST", "/v1/tasks", create)
+    router.add("GET", "/v1/tasks", list_tasks)
+    router.add("GET", "/v1/tasks/{id}", get)
+    router.add("GET", "/v1/tasks/{id}/wait", wait)
+    router.add("POST", "/v1/tasks/{id}/cancel", cancel)
+    router.add("POST", "/v1/tasks/{id}/snapshot", snapshot)
+    router.add("GET", "/v1/tasks/{id}/logs", logs)
+    router.add_websocket("/v1/tasks/{id}/exec", exec_)
+    for method in HTTP_METHODS:
+        router.add(method, "/v1/tasks/{id}/ports/{port}/{path...}", endpoint)
+    return dial
+
+
+async def relay(a: H2WebSocket, b: H2WebSocket) -> None:
+    """Carry messages both ways until either side closes."""
+
+    async def pump(src: H2WebSocket, dst: H2WebSocket) -> None:
+        with contextlib.suppress(WebSocketClosed, trio.BrokenResourceError):
+            while True:
+                await dst.send_message(await src.receive_message())
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump, a, b)
+        nursery.start_soon(pump, b, a)

@@ -1,0 +1,1 @@
+"""The `levers9` command line: one module per command group and its client."""

@@ -1,0 +1,110 @@
+"""`levers9 cluster join|list|leave`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import trio
+
+from agent.wire.errors import unstructure
+from control.cli.common import _client, _timed
+from control.cli.output import POOL_HEADERS, pool_row, show_list
+from control.cli.parse import _POOL_NAME, CliError, UsageError, parse_selector
+
+
+def _join_checks(args: argparse.Namespace) -> None:
+    if not _POOL_NAME.fullmatch(args.name):
+        raise UsageError(
+            f"pool name {args.name!r} must be a DNS label (lowercase letters, digits, '-')"
+        )
+    if not _POOL_NAME.fullmatch(args.namespace):
+        raise UsageError(f"--namespace {args.namespace!r} must be a DNS label")
+    if not args.host_network and not args.tunnel:
+        raise UsageError(
+            "--no-host-network needs --tunnel: nothing outside the cluster can dial a pod address"
+        )
+    if args.endpoint is not None and not args.endpoint.startswith("https://"):
+        raise UsageError(f"--endpoint must be an https:// URL, not {args.endpoint!r}")
+
+
+async def cluster_join(args: argparse.Namespace) -> None:
+    from control.kube.join import JoinError, open_cluster_side, pool_block
+
+    _join_checks(args)
+    selector = parse_selector(args.selector)
+    async with _client(args) as client:
+        # The operator token and the name are checked before the cluster is touched.
+        known = await _timed(client.pools())
+        if not known.joined_pools:
+            raise CliError(
+                "this controlplane keeps no joined pools: set config.joinedPools (the Helm "
+                "chart does by default), or add the pool's block to config.worker.pools"
+            )
+        for view in known.pools:
+            if view.name == args.name and view.source == "config":
+                raise CliError(
+                    f"pool {args.name} comes from config.worker.pools; join under another name"
+                )
+        try:
+            side = await trio.to_thread.run_sync(open_cluster_side, args.kubeconfig, args.context)
+            try:
+                joined = await trio.to_thread.run_sync(side.apply, args.namespace)
+            finally:
+                side.close()
+        except JoinError as exc:
+            raise CliError(str(exc)) from None
+        for step in joined.steps:
+            print(step, file=sys.stderr)
+        block = pool_block(
+            name=args.name,
+            flavor=args.flavor,
+            endpoint=args.endpoint or joined.endpoint,
+            ca_pem=joined.ca_pem,
+            token=joined.token,
+            namespace=args.namespace,
+            selector=selector,
+            tunnel=args.tunnel,
+            host_network=args.host_network,
+            image=args.image,
+            driver_path=args.driver_path,
+        )
+        view = await _timed(client.put_pool(args.name, block))
+    if args.json:
+        print(json.dumps(unstructure(view), indent=2))
+        return
+    print(
+        f"pool {view.name} joined: {view.endpoint}, namespace {view.namespace}, "
+        f"selector {view.selector or '(every node with cards)'}"
+        f"{', tunnel' if view.tunnel else ''}"
+    )
+    print("its nodes show up in 'levers9 machine list' within a reconcile (about 15 s)")
+
+
+async def cluster_list(args: argparse.Namespace) -> None:
+    async with _client(args) as client:
+        listing = await _timed(client.pools())
+    show_list(args.json, listing.pools, POOL_HEADERS, pool_row)
+
+
+async def cluster_leave(args: argparse.Namespace) -> None:
+    from control.kube.join import JoinError, open_cluster_side
+
+    async with _client(args) as client:
+        view = await _timed(client.delete_pool(args.name))
+    print(f"pool {view.name} left: its workers were removed", file=sys.stderr)
+    if args.keep_access:
+        return
+    try:
+        side = await trio.to_thread.run_sync(open_cluster_side, args.kubeconfig, args.context)
+        try:
+            steps = await trio.to_thread.run_sync(
+                lambda: side.remove(view.namespace, delete_namespace=args.delete_namespace)
+            )
+        finally:
+            side.close()
+    except JoinError as exc:
+        raise CliError(str(exc)) from None
+    for step in steps:
+        print(step, file=sys.stderr)

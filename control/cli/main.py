@@ -1,0 +1,271 @@
+"""`levers9`: the operator's and user's command line, speaking the controlplane's API.
+
+Global options `--controlplane URL` and `--token TOKEN` (or `LEVERS9_CONTROLPLANE`,
+`LEVERS9_TOKEN`; `LEVERS9_CA` names a CA file for a controlplane whose certificate is not
+signed by a public CA). Listings print a table for people and JSON with `--json`. Errors are
+one line that says what to do, and exit 1 (2 for a mistyped command line).
+
+Parsing options and formatting what people read are pure functions at the top (unit-tested
+without a controlplane); the commands below them are a thin layer that makes the calls
+(`control.cli.client`). `levers9 run` submits a task, then follows its logs and polls its state in
+parallel, so the first line of output appears as soon as the task produces it; its exit code
+is the task's. It waits `--wait` seconds for the task to start and then leaves it running
+(exit 124), since a cold start (node, image pull) may take longer than anyone wants to stare
+at a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import (
+    Iterator,
+    Sequence,
+)
+from typing import Any
+
+import trio
+
+from agent import __version__
+from agent.wire.errors import ApiError
+from control.cli.client import ControlClientError
+from control.cli.cluster import cluster_join, cluster_leave, cluster_list
+from control.cli.common import CALL_TIMEOUT_S, DEFAULT_WAIT_S, EXIT_INTERRUPTED, EXIT_USAGE
+from control.cli.exec import cmd_exec
+from control.cli.parse import CliError, UsageError, split_command
+from control.cli.port import cmd_port
+from control.cli.tasks import cmd_run, task_cancel, task_get, task_list, task_logs, task_snapshot
+from control.cli.workers import machine_list, worker_get, worker_list
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line (`levers9: ...`, exit 2), like every other error."""
+
+    def error(self, message: str) -> Any:
+        raise UsageError(f"{message}; see '{self.prog} --help'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="levers9", description="levers9 command line")
+    parser.add_argument("--version", action="version", version=__version__)
+    parser.add_argument("--controlplane", default=os.environ.get("LEVERS9_CONTROLPLANE", ""))
+    parser.add_argument("--token", default=os.environ.get("LEVERS9_TOKEN", ""))
+    parser.add_argument("--ca", default=os.environ.get("LEVERS9_CA") or None)
+    sub = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="run a task: an image, with cards, and follow its output",
+        usage="levers9 run [options] IMAGE [-- CMD...]",
+        description="Run IMAGE as a task and follow its logs; exits with the task's exit code. "
+        "CMD after '--' replaces the image's entrypoint.",
+    )
+    run.add_argument("image", metavar="IMAGE")
+    run.add_argument("--gpus", default="0", metavar="N", help="cards the task gets")
+    run.add_argument("--cpu", metavar="CORES", help="CPU cores, e.g. 0.5, 2 or 500m")
+    run.add_argument("--memory", metavar="SIZE", help="memory, e.g. 512Mi, 2Gi, 2G or bytes")
+    run.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="environment variable (repeatable); a bare K takes K's value from yours",
+    )
+    run.add_argument(
+        "--volume",
+        action="append",
+        default=[],
+        metavar="BUCKET:/PATH[:ro]",
+        help="mount a bucket of your workspace (repeatable)",
+    )
+    run.add_argument(
+        "--port", action="append", default=[], metavar="N", help="a port the task serves"
+    )
+    run.add_argument("--timeout", metavar="SECONDS", help="stop the task after this long")
+    run.add_argument("--snapshot", metavar="DIGEST", help="start from a task's snapshot")
+    run.add_argument(
+        "--detach", "-d", action="store_true", help="print the task id and exit at once"
+    )
+    run.add_argument(
+        "--wait",
+        default=str(int(DEFAULT_WAIT_S)),
+        metavar="SECONDS",
+        help="how long to wait for the task to start before leaving it running (exit 124)",
+    )
+    run.set_defaults(func=cmd_run, takes_command=True)
+
+    task = sub.add_parser("task", help="tasks of your workspace")
+    tsub = task.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tls = tsub.add_parser("list", help="list tasks, newest first")
+    tls.add_argument("--state", metavar="S,...", help="only tasks in these states")
+    tls.add_argument("--limit", default="100", metavar="N")
+    tls.add_argument("--json", action="store_true")
+    tls.set_defaults(func=task_list)
+    tget = tsub.add_parser("get", help="one task's details")
+    tget.add_argument("task_id", metavar="ID")
+    tget.add_argument("--json", action="store_true")
+    tget.set_defaults(func=task_get)
+    tlogs = tsub.add_parser("logs", help="a task's output")
+    tlogs.add_argument("task_id", metavar="ID")
+    tlogs.add_argument("-f", "--follow", action="store_true", help="until the task ends")
+    tlogs.set_defaults(func=task_logs)
+    tcancel = tsub.add_parser("cancel", help="stop a task")
+    tcancel.add_argument("task_id", metavar="ID")
+    tcancel.set_defaults(func=task_cancel)
+    tsnap = tsub.add_parser("snapshot", help="keep a task's filesystem changes; prints a digest")
+    tsnap.add_argument("task_id", metavar="ID")
+    tsnap.set_defaults(func=task_snapshot)
+
+    exec_ = sub.add_parser(
+        "exec",
+        help="run a command in a running task",
+        usage="levers9 exec [-t | --no-tty] TASK -- CMD...",
+    )
+    exec_.add_argument("task_id", metavar="TASK")
+    exec_.add_argument(
+        "-t",
+        "--tty",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a terminal (default: when stdin and stdout are terminals)",
+    )
+    exec_.set_defaults(func=cmd_exec, takes_command=True)
+
+    port = sub.add_parser("port", help="forward a local port to a port of a running task")
+    port.add_argument("task_id", metavar="TASK")
+    port.add_argument("port", metavar="PORT")
+    port.add_argument(
+        "--local",
+        metavar="[HOST:]PORT",
+        help="where to listen (default 127.0.0.1 and the same port; 0 = any free port)",
+    )
+    port.set_defaults(func=cmd_port)
+
+    worker = sub.add_parser("worker", help="workers known to the controlplane")
+    wsub = worker.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = wsub.add_parser("list", help="list workers")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=worker_list)
+    get = wsub.add_parser("get", help="ask one worker about itself (through its connection)")
+    get.add_argument("worker_id")
+    get.add_argument("--json", action="store_true")
+    get.set_defaults(func=worker_get)
+    machine = sub.add_parser("machine", help="machines: the pools' nodes that can take work")
+    msub = machine.add_subparsers(dest="action", required=True, metavar="ACTION")
+    mls = msub.add_parser("list", help="list machines with their free cards, CPU and memory")
+    mls.add_argument("--json", action="store_true")
+    mls.set_defaults(func=machine_list)
+
+    cluster = sub.add_parser("cluster", help="clusters whose nodes are pools (operator token)")
+    csub = cluster.add_subparsers(dest="action", required=True, metavar="ACTION")
+    join = csub.add_parser(
+        "join",
+        help="attach the cluster of your kubeconfig context as a pool, with no key file",
+        description="With your kubeconfig's identity: create the namespace, a ServiceAccount "
+        "with least-privilege RBAC and a token on that cluster, then register the pool with "
+        "the controlplane. Safe to rerun.",
+    )
+    join.add_argument("name", metavar="POOL", help="the pool's name (a DNS label)")
+    join.add_argument("--image", required=True, help="the worker image the Jobs run")
+    join.add_argument("--context", help="kubeconfig context (default: the current one)")
+    join.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"
+    )
+    join.add_argument("--namespace", default="levers9", help="namespace of the worker Jobs")
+    join.add_argument(
+        "--selector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE|KEY",
+        help="node label the pool's nodes carry (repeatable); default: every node with cards",
+    )
+    join.add_argument("--flavor", choices=["gke", "eks", "generic"], default="generic")
+    join.add_argument(
+        "--endpoint",
+        help="the API server URL the controlplane should use (default: your kubeconfig's)",
+    )
+    join.add_argument("--tunnel", action="store_true", help="workers dial out; nothing inbound")
+    join.add_argument(
+        "--host-network",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers use the node's network (--no-host-network needs --tunnel)",
+    )
+    join.add_argument("--driver-path", help="the NVIDIA driver dir on the nodes")
+    join.add_argument("--json", action="store_true")
+    join.set_defaults(func=cluster_join)
+    clist = csub.add_parser("list", help="list pools: configured and joined")
+    clist.add_argument("--json", action="store_true")
+    clist.set_defaults(func=cluster_list)
+    leave = csub.add_parser(
+        "leave",
+        help="remove a joined pool: its workers, then its access to the cluster",
+    )
+    leave.add_argument("name", metavar="POOL")
+    leave.add_argument("--context", help="kubeconfig context (default: the current one)")
+    leave.add_argument("--kubeconfig", help="kubeconfig file")
+    leave.add_argument(
+        "--delete-namespace", action="store_true", help="also delete the pool's namespace"
+    )
+    leave.add_argument(
+        "--keep-access",
+        action="store_true",
+        help="leave the ServiceAccount and its roles on the cluster",
+    )
+    leave.set_defaults(func=cluster_leave)
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line → its namespace (`command`: what followed `--`); UsageError else."""
+    options, command = split_command(argv)
+    args = build_parser().parse_args(options)
+    if command is not None and not getattr(args, "takes_command", False):
+        raise UsageError("'--' and a command only follow 'levers9 run IMAGE' or 'exec TASK'")
+    args.command = command
+    return args
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+def _api_message(exc: ApiError) -> str:
+    return f"{exc.code.name}: {exc.message}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as exc:
+        print(f"levers9: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else 0
+    code = 1
+    messages: list[str] = []
+    try:
+        code = trio.run(args.func, args) or 0
+    except* UsageError as group:
+        messages += [str(e) for e in _leaves(group)]
+        code = EXIT_USAGE
+    except* (CliError, ControlClientError) as group:
+        messages += [str(e) for e in _leaves(group)]
+    except* ApiError as group:
+        messages += [_api_message(e) for e in _leaves(group) if isinstance(e, ApiError)]
+    except* trio.TooSlowError:
+        messages.append(f"DEADLINE_EXCEEDED: no answer within {CALL_TIMEOUT_S:g} s")
+    except* KeyboardInterrupt:
+        code = EXIT_INTERRUPTED
+    for message in messages:
+        print(f"levers9: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,698 @@
+"""The one adapter between the controlplane and a pool's Kubernetes API server.
+
+Everything that touches the official `kubernetes` client lives here: building an `ApiClient`
+from a `PoolConfig` (the cluster CA always verified), authenticating by flavor with tokens
+refreshed before they expire, running the client's blocking calls in a worker thread, and
+translating its exceptions into ours. Callers above this module see plain JSON-shaped dicts
+(the API's own wire shape) and `KubeError`s; they never see `ApiException`, urllib3 or
+google-auth errors, so this module is the seam a unit test of the reconciler replaces.
+
+Errors are sorted by what the caller can do: `KubeAuthError` (fix the credentials or RBAC;
+the message says which verb on which resource in which namespace is missing),
+`KubeNotFound` / `KubeAlreadyExists` (expected races, handled by the reconciler),
+`KubeUnavailable` (try again next pass; 429 and 5xx were already retried here with capped
+backoff honouring Retry-After), and `KubeError` for the rest.
+
+Lists are read with `_preload_content=False` and parsed as JSON: this skips the client's
+model classes (slow for thousands of pods) and its debug logging of response bodies, which
+for a Secret would hold the worker token.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import attrs
+import trio
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
+from agent.wire.errors import ApiError, ErrorCode
+from control.kube.pools import (
+    GKE_SCOPES,
+    ClientCertificateCredentials,
+    Credentials,
+    EksCredentials,
+    GkeCredentials,
+    KubeconfigCredentials,
+    PoolConfig,
+    TokenCredentials,
+    read_credentials,
+)
+
+__all__ = [
+    "RETRY",
+    "EksTokenSource",
+    "GkeTokenSource",
+    "KubeAlreadyExists",
+    "KubeApi",
+    "KubeAuthError",
+    "KubeClient",
+    "KubeError",
+    "KubeNotFound",
+    "KubeUnavailable",
+    "Operation",
+    "StaticToken",
+    "TokenSource",
+    "build_api_client",
+    "call_with_retry",
+    "eks_token",
+    "open_kube_client",
+    "retry_delay",
+    "translate_api_exception",
+]
+
+log = logging.getLogger("levers9.kube")
+T = TypeVar("T")
+
+RETRY = Backoff(initial_s=0.5, factor=2.0, cap_s=10.0, stable_s=0.0, jitter=0.5)
+RETRY_ATTEMPTS = 5
+# A server asking for a longer pause than this is treated as down for this pass.
+MAX_RETRY_AFTER_S = 60.0
+GKE_REFRESH_BEFORE_S = 5 * 60.0
+# EKS accepts a presigned token for 15 minutes after it was signed.
+EKS_REFRESH_EVERY_S = 14 * 60.0
+LIST_PAGE = 500
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+class KubeError(ApiError):
+    """A pool's Kubernetes API refused or failed a call; the message names pool and action."""
+
+
+class KubeAuthError(KubeError):
+    """The credentials were refused (401) or lack a permission (403); fix config or RBAC."""
+
+
+class KubeNotFound(KubeError):
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.NOT_FOUND, message)
+
+
+class KubeAlreadyExists(KubeError):
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.ALREADY_EXISTS, message)
+
+
+class KubeUnavailable(KubeError):
+    """The API server could not be reached, timed out or stayed overloaded; try later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, message)
+
+
+@attrs.frozen
+class Operation:
+    """What a call was doing, in RBAC's words, so errors can say what permission is missing."""
+
+    verb: str
+    resource: str
+    group: str = ""
+    namespace: str | None = None
+    name: str | None = None
+
+    def describe(self) -> str:
+        what = f"{self.resource}.{self.group}" if self.group else self.resource
+        if self.name:
+            what += f" {self.name!r}"
+        where = f" in namespace {self.namespace}" if self.namespace else ""
+        return f"{self.verb} {what}{where}"
+
+
+_FORBIDDEN = re.compile(
+    r'cannot (?P<verb>[\w-]+) resource "(?P<resource>[^"]+)"'
+    r'(?: in API group "(?P<group>[^"]*)")?'
+    r'(?: in the namespace "(?P<namespace>[^"]+)")?'
+)
+
+
+def _status_body(exc: ApiException) -> Mapping[str, Any]:
+    body = exc.body
+    if isinstance(body, bytes):
+        body = body.decode(errors="replace")
+    if not isinstance(body, str) or not body:
+        return {}
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return {}
+    return data if isinstance(data, Mapping) else {}
+
+
+def translate_api_exception(exc: ApiException, op: Operation, *, pool: str) -> KubeError:
+    """Our error for a failed call; the Status body refines what the message says."""
+    status = int(exc.status or 0)
+    body = _status_body(exc)
+    server_says = str(body.get("message") or exc.reason or "").strip()
+    prefix = f"pool {pool}: cannot {op.describe()}"
+    if status == 401:
+        return KubeAuthError(
+            ErrorCode.UNAUTHENTICATED,
+            f"{prefix}: the cluster did not accept the pool's credentials (401 Unauthorized); "
+            f"check config.worker.pools[{pool}].kubernetes.credentials (expired or revoked "
+            "token, wrong key, or an identity the cluster does not map)",
+            field=f"worker.pools[{pool}].kubernetes.credentials",
+        )
+    if status == 403:
+        details = body.get("details")
+        details = details if isinstance(details, Mapping) else {}
+        match = _FORBIDDEN.search(server_says)
+        verb = match["verb"] if match else op.verb
+        resource = (match["resource"] if match else None) or details.get("kind") or op.resource
+        group = (match["group"] if match and match["group"] is not None else None) or details.get(
+            "group", op.group
+        )
+        namespace = match["namespace"] if match and match["namespace"] else op.namespace
+        scope = f"in namespace {namespace}" if namespace else "cluster-wide"
+        role = "a Role and RoleBinding" if namespace else "a ClusterRole and ClusterRoleBinding"
+        return KubeAuthError(
+            ErrorCode.PERMISSION_DENIED,
+            f"{prefix}: the pool's identity may not {verb} {resource} "
+            f"(API group {group or 'core'!r}) {scope}; grant verb {verb!r} on {resource!r} "
+            f"with {role} (`levers9 cluster join` sets these up). Cluster said: {server_says}",
+            field=f"worker.pools[{pool}].kubernetes.credentials",
+        )
+    if status == 404:
+        return KubeNotFound(f"{prefix}: not found ({server_says or '404'})")
+    if status == 409:
+        return KubeAlreadyExists(f"{prefix}: already exists ({server_says or '409'})")
+    if status == 429 or 500 <= status < 600:
+        return KubeUnavailable(
+            f"{prefix}: the API server answered {status} after {RETRY_ATTEMPTS} tries "
+            f"({server_says or 'no detail'}); the next pass tries again"
+        )
+    if status == 0 and "SSLError" in str(exc.reason or ""):
+        return KubeError(ErrorCode.FAILED_PRECONDITION, f"{prefix}: {_TLS_ADVICE.format(pool)}")
+    if status in (400, 422):
+        return KubeError(
+            ErrorCode.INVALID_ARGUMENT, f"{prefix}: the API server refused it: {server_says}"
+        )
+    return KubeError(
+        ErrorCode.INTERNAL, f"{prefix}: the API server answered {status}: {server_says}"
+    )
+
+
+_TLS_ADVICE = (
+    "TLS verification of the API server failed; check that "
+    "config.worker.pools[{0}].kubernetes.caData is the CA of that endpoint"
+)
+
+
+def _retry_after_s(exc: ApiException) -> float | None:
+    headers = exc.headers or {}
+    value = headers.get("Retry-After") or headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP-date; the backoff alone is fine
+
+
+def retry_delay(policy: Backoff, state: BackoffState, exc: ApiException, rand: float) -> float:
+    """Seconds before retrying a 429/5xx: the backoff, or longer when Retry-After asks."""
+    delay = next_delay(policy, state, rand)
+    asked = _retry_after_s(exc)
+    if asked is not None:
+        delay = max(delay, min(asked, MAX_RETRY_AFTER_S))
+    return delay
+
+
+def _retryable(exc: ApiException) -> bool:
+    status = int(exc.status or 0)
+    return status == 429 or 500 <= status < 600
+
+
+async def call_with_retry(
+    fn: Callable[[], T],
+    op: Operation,
+    *,
+    pool: str,
+    policy: Backoff = RETRY,
+    attempts: int = RETRY_ATTEMPTS,
+) -> T:
+    """Run blocking `fn` in a thread; retry 429/5xx; raise only `KubeError`s."""
+    state = BackoffState()
+    for attempt in range(1, attempts + 1):
+        try:
+            return await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
+        except ApiException as exc:
+            if not _retryable(exc) or attempt == attempts:
+                raise translate_api_exception(exc, op, pool=pool) from None
+            delay = retry_delay(policy, state, exc, random.random())
+            record_failure(state)
+            log.info(
+                "pool %s: %s answered %s; retry %d in %.1fs",
+                pool,
+                op.describe(),
+                exc.status,
+                attempt,
+                delay,
+            )
+        await trio.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --- authentication ------------------------------------------------------------------------
+
+
+class TokenSource(Protocol):
+    def bearer(self) -> str:
+        """A valid bearer token; may block to refresh it (called in a worker thread)."""
+        ...
+
+
+@attrs.frozen
+class StaticToken:
+    token: str = attrs.field(repr=False)
+
+    def bearer(self) -> str:
+        return self.token
+
+
+class GkeTokenSource:
+    """OAuth access tokens for a GCP service account, refreshed 5 minutes before expiry."""
+
+    def __init__(
+        self,
+        creds: GkeCredentials,
+        *,
+        clock: Callable[[], float] = time.time,
+        request: Any = None,
+    ) -> None:
+        from google.auth.transport.requests import Request
+        from google.oauth2 import service_account
+
+        self._creds = service_account.Credentials.from_service_account_info(  # type: ignore[no-untyped-call]
+            dict(creds.info), scopes=list(GKE_SCOPES)
+        )
+        self._request = request if request is not None else Request()
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"GkeTokenSource({self._creds.service_account_email!r})"
+
+    def _expires_at(self) -> float:
+        expiry: datetime | None = self._creds.expiry
+        if expiry is None:
+            return float("-inf")
+        if expiry.tzinfo is None:  # google-auth keeps naive UTC datetimes
+            expiry = expiry.replace(tzinfo=UTC)
+        return expiry.timestamp()
+
+    def bearer(self) -> str:
+        with self._lock:
+            stale = self._expires_at() - self._clock() < GKE_REFRESH_BEFORE_S
+            if self._creds.token is None or stale:
+                self._creds.refresh(self._request)
+            return str(self._creds.token)
+
+
+def eks_token(creds: EksCredentials, *, now: datetime | None = None) -> str:
+    """The `k8s-aws-v1.` bearer: a presigned STS GetCallerIdentity URL, base64url'd."""
+    from botocore.auth import SigV4QueryAuth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials as AwsCredentials
+
+    url = f"https://sts.{creds.region}.amazonaws.com/?Action=GetCallerIdentity&Version=2011-06-15"
+    request = AWSRequest(method="GET", url=url, headers={"x-k8s-aws-id": creds.cluster_name})
+    if now is not None:
+        request.context["timestamp"] = now.strftime("%Y%m%dT%H%M%SZ")
+    signer = SigV4QueryAuth(
+        AwsCredentials(creds.access_key_id, creds.secret_access_key, creds.session_token),
+        "sts",
+        creds.region,
+        expires=60,
+    )
+    signer.add_auth(request)
+    encoded = base64.urlsafe_b64encode(str(request.url).encode()).decode().rstrip("=")
+    return "k8s-aws-v1." + encoded
+
+
+class EksTokenSource:
+    """EKS tokens, signed afresh every 14 minutes (EKS accepts one for 15)."""
+
+    def __init__(
+        self,
+        creds: EksCredentials,
+        *,
+        clock: Callable[[], float] = time.time,
+        sign: Callable[[EksCredentials], str] = eks_token,
+    ) -> None:
+        self._creds = creds
+        self._clock = clock
+        self._sign = sign
+        self._lock = threading.Lock()
+        self._token: str | None = None
+        self._made_at = float("-inf")
+
+    def __repr__(self) -> str:
+        return f"EksTokenSource(cluster={self._creds.cluster_name!r})"
+
+    def bearer(self) -> str:
+        with self._lock:
+            now = self._clock()
+            if self._token is None or now - self._made_at >= EKS_REFRESH_EVERY_S:
+                self._token = self._sign(self._creds)
+                self._made_at = now
+            return self._token
+
+
+def _private_file(directory: Path, name: str, data: bytes) -> str:
+    path = directory / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    return str(path)
+
+
+def build_api_client(
+    pool: PoolConfig, *, token_source: TokenSource | None = None
+) -> tuple[k8s.ApiClient, Path]:
+    """A client for the pool and the private temp dir holding its CA/key files (blocking).
+
+    The caller removes the dir after closing the client (`KubeClient.aclose` does both).
+    """
+    kube = pool.kubernetes
+    creds: Credentials = read_credentials(pool)
+    tmp = Path(tempfile.mkdtemp(prefix=f"levers9-kube-{pool.name}-"))  # mode 0700
+    try:
+        cfg = k8s.Configuration()
+        if isinstance(creds, KubeconfigCredentials):
+            k8s_config.load_kube_config_from_dict(
+                config_dict=dict(creds.kubeconfig),
+                context=creds.context,
+                client_configuration=cfg,
+                persist_config=False,
+                temp_file_path=str(tmp),
+            )
+        elif isinstance(creds, ClientCertificateCredentials):
+            cfg.cert_file = _private_file(
+                tmp, "client.crt", base64.b64decode(creds.client_certificate_data)
+            )
+            cfg.key_file = _private_file(tmp, "client.key", base64.b64decode(creds.client_key_data))
+        else:
+            source = token_source or _token_source(creds)
+            _use_bearer(cfg, source)
+        # The pool's endpoint and CA win over anything a kubeconfig says, and verification
+        # is never off, whatever `insecure-skip-tls-verify` a kubeconfig carries.
+        cfg.host = kube.endpoint.rstrip("/")
+        cfg.ssl_ca_cert = _private_file(tmp, "ca.crt", kube.ca_pem)
+        cfg.verify_ssl = True
+        return k8s.ApiClient(configuration=cfg), tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _token_source(creds: Credentials) -> TokenSource:
+    if isinstance(creds, GkeCredentials):
+        return GkeTokenSource(creds)
+    if isinstance(creds, EksCredentials):
+        return EksTokenSource(creds)
+    if isinstance(creds, TokenCredentials):
+        return StaticToken(creds.token)
+    raise TypeError(f"no token source for {type(creds).__name__}")
+
+
+def _use_bearer(cfg: k8s.Configuration, source: TokenSource) -> None:
+    # The client calls the hook before every request, in the request's thread; the source
+    # caches and refreshes ahead of expiry, so a long-running controlplane never restarts.
+    def refresh(configuration: k8s.Configuration) -> None:
+        configuration.api_key["BearerToken"] = source.bearer()
+
+    cfg.api_key = {"BearerToken": ""}
+    cfg.api_key_prefix = {"BearerToken": "Bearer"}
+    cfg.refresh_api_key_hook = refresh
+
+
+# --- the adapter ---------------------------------------------------------------------------
+
+
+class KubeApi(Protocol):
+    """What the reconciler needs from a cluster; objects are the API's JSON shapes."""
+
+    async def list_nodes(self, label_selector: str = "") -> list[dict[str, Any]]: ...
+
+    async def list_pods(self, field_selector: str = "") -> list[dict[str, Any]]: ...
+
+    async def list_jobs(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]: ...
+
+    async def create_job(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    async def create_secret(
+        self, namespace: str, manifest: Mapping[str, Any]
+    ) -> dict[str, Any]: ...
+
+    async def read_secret_value(self, namespace: str, name: str, key: str) -> str | None: ...
+
+    async def delete_job(self, namespace: str, name: str) -> None: ...
+
+    async def delete_secret(self, namespace: str, name: str) -> None: ...
+
+    async def ensure_namespace(self, namespace: str) -> None: ...
+
+
+class KubeClient:
+    """`KubeApi` over the official client; blocking calls run in worker threads."""
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        *,
+        pool: str,
+        temp_dir: Path | None = None,
+        request_timeout_s: float = 30.0,
+    ) -> None:
+        self._api = api_client
+        self._core = k8s.CoreV1Api(api_client)
+        self._batch = k8s.BatchV1Api(api_client)
+        self._pool = pool
+        self._temp_dir = temp_dir
+        # Bounds each blocking call so an abandoned thread ends on its own.
+        self._timeout = (min(10.0, request_timeout_s), request_timeout_s)
+
+    def __repr__(self) -> str:
+        return f"KubeClient(pool={self._pool!r})"
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self._close)
+
+    def _close(self) -> None:
+        self._api.close()
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+    async def _call(self, op: Operation, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        def once() -> Any:
+            try:
+                response = fn(*args, _preload_content=False, _request_timeout=self._timeout, **kw)
+                data = response.data
+                return json.loads(data) if data else {}
+            except ApiException:
+                raise
+            except KubeError:
+                raise
+            except Exception as exc:
+                raise self._translate_other(exc, op) from None
+
+        result = await call_with_retry(once, op, pool=self._pool)
+        return result
+
+    def _translate_other(self, exc: Exception, op: Operation) -> KubeError:
+        prefix = f"pool {self._pool}: cannot {op.describe()}"
+        module = type(exc).__module__
+        if isinstance(exc, urllib3.exceptions.MaxRetryError) and isinstance(
+            exc.reason, urllib3.exceptions.SSLError
+        ):
+            return KubeError(
+                ErrorCode.FAILED_PRECONDITION, f"{prefix}: {_TLS_ADVICE.format(self._pool)}"
+            )
+        if isinstance(exc, urllib3.exceptions.HTTPError | OSError):
+            return KubeUnavailable(
+                f"{prefix}: the API server did not answer ({type(exc).__name__}); "
+                "the next pass tries again"
+            )
+        if module.startswith("google.auth"):
+            if type(exc).__name__ == "RefreshError":
+                return KubeAuthError(
+                    ErrorCode.UNAUTHENTICATED,
+                    f"{prefix}: Google refused the service-account key "
+                    f"({_first_arg(exc)}); check config.worker.pools[{self._pool}]"
+                    ".kubernetes.credentials",
+                    field=f"worker.pools[{self._pool}].kubernetes.credentials",
+                )
+            return KubeUnavailable(f"{prefix}: Google's token endpoint did not answer")
+        if module.startswith("botocore"):
+            return KubeAuthError(
+                ErrorCode.UNAUTHENTICATED,
+                f"{prefix}: cannot sign the EKS token ({type(exc).__name__}); check "
+                f"config.worker.pools[{self._pool}].kubernetes.credentials",
+            )
+        if isinstance(exc, ValueError):
+            return KubeError(ErrorCode.INTERNAL, f"{prefix}: the API server's answer is not JSON")
+        return KubeError(ErrorCode.INTERNAL, f"{prefix}: {type(exc).__name__}")
+
+    async def _list(
+        self, op: Operation, fn: Callable[..., Any], *args: Any, **kw: Any
+    ) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            page_kw = dict(kw, limit=LIST_PAGE)
+            if token:
+                page_kw["_continue"] = token
+            page = await self._call(op, fn, *args, **page_kw)
+            items += page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+
+    async def list_nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
+        op = Operation("list", "nodes")
+        return await self._list(op, self._core.list_node, label_selector=label_selector)
+
+    async def list_pods(self, field_selector: str = "") -> list[dict[str, Any]]:
+        op = Operation("list", "pods")
+        return await self._list(
+            op, self._core.list_pod_for_all_namespaces, field_selector=field_selector
+        )
+
+    async def list_jobs(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+        op = Operation("list", "jobs", "batch", namespace)
+        return await self._list(
+            op, self._batch.list_namespaced_job, namespace, label_selector=label_selector
+        )
+
+    async def create_job(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        op = Operation("create", "jobs", "batch", namespace, _name(manifest))
+        result: dict[str, Any] = await self._call(
+            op, self._batch.create_namespaced_job, namespace, dict(manifest)
+        )
+        return result
+
+    async def create_secret(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        op = Operation("create", "secrets", "", namespace, _name(manifest))
+        result: dict[str, Any] = await self._call(
+            op, self._core.create_namespaced_secret, namespace, dict(manifest)
+        )
+        # The answer echoes the secret's data; nobody above needs it back.
+        result.pop("data", None)
+        result.pop("stringData", None)
+        return result
+
+    async def read_secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One value of a Secret (decoded), or None when the Secret or the key is missing."""
+        op = Operation("get", "secrets", "", namespace, name)
+        try:
+            result: dict[str, Any] = await self._call(
+                op, self._core.read_namespaced_secret, name, namespace
+            )
+        except KubeNotFound:
+            return None
+        encoded = (result.get("data") or {}).get(key)
+        if not isinstance(encoded, str):
+            return None
+        try:
+            return base64.b64decode(encoded).decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    async def delete_job(self, namespace: str, name: str) -> None:
+        op = Operation("delete", "jobs", "batch", namespace, name)
+        await self._call(
+            op,
+            self._batch.delete_namespaced_job,
+            name,
+            namespace,
+            propagation_policy="Background",
+        )
+
+    async def delete_secret(self, namespace: str, name: str) -> None:
+        op = Operation("delete", "secrets", "", namespace, name)
+        await self._call(op, self._core.delete_namespaced_secret, name, namespace)
+
+    async def list_secrets(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """The Secrets matching the selector, data included (for the joined-pool store)."""
+        return await self._list(
+            Operation("list", "secrets", "", namespace),
+            self._core.list_namespaced_secret,
+            namespace,
+            label_selector=label_selector,
+        )
+
+    async def replace_secret(self, namespace: str, manifest: Mapping[str, Any]) -> None:
+        name = _name(manifest) or ""
+        op = Operation("update", "secrets", "", namespace, name)
+        await self._call(op, self._core.replace_namespaced_secret, name, namespace, dict(manifest))
+
+    async def ensure_namespace(self, namespace: str) -> None:
+        """Create the namespace unless it exists. An identity that may not read namespaces
+        (`levers9 cluster join` grants none; it creates the namespace itself) goes on: a
+        missing namespace then shows as the first Job that cannot be created."""
+        try:
+            await self._call(
+                Operation("get", "namespaces", name=namespace), self._core.read_namespace, namespace
+            )
+            return
+        except KubeNotFound:
+            pass
+        except KubeAuthError as exc:
+            if exc.code is not ErrorCode.PERMISSION_DENIED:
+                raise
+            log.debug(
+                "pool %s: may not read namespace %s; assuming it exists", self._pool, namespace
+            )
+            return
+        manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+        try:
+            await self._call(
+                Operation("create", "namespaces", name=namespace),
+                self._core.create_namespace,
+                manifest,
+            )
+        except KubeAlreadyExists:
+            pass
+
+
+def _name(manifest: Mapping[str, Any]) -> str | None:
+    metadata = manifest.get("metadata")
+    return str(metadata.get("name")) if isinstance(metadata, Mapping) else None
+
+
+def _first_arg(exc: Exception) -> str:
+    return str(exc.args[0])[:200] if exc.args else type(exc).__name__
+
+
+@asynccontextmanager
+async def open_kube_client(
+    pool: PoolConfig, *, request_timeout_s: float = 30.0
+) -> AsyncIterator[KubeClient]:
+    """A `KubeClient` for the pool; its connections and temp files go away on exit."""
+    api_client, temp_dir = await trio.to_thread.run_sync(build_api_client, pool)
+    client = KubeClient(
+        api_client, pool=pool.name, temp_dir=temp_dir, request_timeout_s=request_timeout_s
+    )
+    try:
+        yield client
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.aclose()

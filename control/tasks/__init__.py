@@ -1,0 +1,1 @@
+"""Tasks: their records, the scheduler and the dispatcher that watches each task."""

@@ -1,0 +1,907 @@
+"""A simulated kubelet for the Kubernetes API stand-in: worker Jobs run as local agent processes.
+
+The controlplane's reconcile creates worker Jobs; in a real cluster the scheduler binds their
+pods, the device plugin hands out cards and the kubelet starts the container. Tests of the whole
+loop (a Job is created, an agent registers, a killed or deleted worker is noticed) need that
+part too, without a cluster or a GPU. `SimulatedKubelet` plays it for a few simulated nodes on
+this machine: each node has its own stand-in NVML description, /dev directory with real device
+nodes, driver directory, state directory and container network names, and each Job pinned to one
+of them runs `python -m agent.daemon.cli run` with the environment the real kubelet would give it.
+
+Design choices:
+- It polls the stand-in's Python API (every `POLL_S`) from trio rather than hooking Job creation:
+  a Job's token Secret is created only after the Job, a Job may have to wait for cards, and Job
+  deletion has no hook; one loop sees all of it in the order a kubelet would.
+- What to do is decided by pure functions (`place_neighbours`, `free_cards`, `resolve_env`, the
+  status builders); the loop only reads the stand-in, applies them and writes the results back
+  with `KubeStandin.patch`, which never re-creates an object someone deleted meanwhile.
+- Cards are handed out as a device plugin does: a pod's cards are fixed when it is admitted and
+  stay its own until it ends. Neighbour pods (not ours) bound to a node hold the lowest free
+  indexes, in the stand-in's pod order, from the moment the kubelet first sees them.
+- Every agent is a child of a task in the nursery `run` owns; when `run` is cancelled each one
+  gets SIGTERM and, after its pod's grace period, SIGKILL, all at once, and `run` returns once
+  all have exited.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import attrs
+import trio
+
+from nvml.standin import (
+    build_standin,
+    make_device_nodes,
+    nvlinked_node,
+    standin_device,
+    standin_environ,
+    write_node,
+)
+from sim.kubeapi import KubeError, KubeStandin, Obj, job_node, make_node
+
+log = logging.getLogger("levers9.sim.kubelet")
+
+GPU_RESOURCE = "nvidia.com/gpu"
+_TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+def _container_gpus(container: Mapping[str, Any]) -> int:
+    """The cards the device manager allocates to one container: its `nvidia.com/gpu` limit
+    (an extended resource's request, when given, must equal it)."""
+    resources = container.get("resources") or {}
+    value = (resources.get("limits") or {}).get(GPU_RESOURCE)
+    if value is None:
+        value = (resources.get("requests") or {}).get(GPU_RESOURCE, 0)
+    return int(value)
+
+
+def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """The cards a pod holds on its node, as the kubelet's device manager allocates them.
+
+    Written from the kubelet's rules, not taken from the controlplane's planner, so that the
+    planner's arithmetic is checked against another reading of Kubernetes: regular init
+    containers run one at a time and hand their cards on (the pod needs the largest), sidecar
+    init containers (`restartPolicy: Always`) keep theirs for the pod's life, and app
+    containers hold theirs side by side.
+    """
+    spec = pod.get("spec") or {}
+    sidecars = 0
+    init_peak = 0
+    for container in spec.get("initContainers") or ():
+        if container.get("restartPolicy") == "Always":
+            sidecars += _container_gpus(container)
+        else:
+            init_peak = max(init_peak, sidecars + _container_gpus(container))
+    running = sidecars + sum(_container_gpus(c) for c in spec.get("containers") or ())
+    return max(running, init_peak)
+
+
+REPO = Path(__file__).resolve().parents[1]
+POLL_S = 0.1
+"""How often the stand-in is looked at."""
+GRACE_S = 30.0
+"""How long an agent has between SIGTERM and SIGKILL when its pod does not say
+(`terminationGracePeriodSeconds`, whose default this is, as in Kubernetes)."""
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+MAX_NODES = 8
+"""Each node gets a /20 of 169.254.128.0/17 for its container network; eight of them fit."""
+HOST_IP = "127.0.0.1"
+_PASSED_OVER = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "POD_NAME", "POD_NAMESPACE")
+
+
+class KubeletSetupError(Exception):
+    """A simulated node cannot be laid out; the message says what to do."""
+
+
+class ContainerConfigError(Exception):
+    """The container's environment cannot be resolved yet (the kubelet's
+    CreateContainerConfigError): a Secret or key is missing, or a field is not supported."""
+
+
+@attrs.frozen
+class SimNode:
+    """A simulated node: `cards` stand-in A100s (all on one NVLink fabric), and what the
+    Node object reports. `labels` are extra node labels (the selectors of pools)."""
+
+    name: str
+    cards: int
+    cpu: str = "8"
+    memory: str = "32Gi"
+    labels: Mapping[str, str] = attrs.field(factory=dict, hash=False)
+
+
+@attrs.frozen
+class AgentPod:
+    """An agent the kubelet started. `cards` are card indexes on the node, `uuids` the same
+    cards as NVIDIA_VISIBLE_DEVICES named them. `returncode` is None while it runs, negative
+    (the signal) when a signal ended it, as `subprocess` reports it."""
+
+    job_name: str
+    namespace: str
+    node: str
+    pod_name: str
+    pid: int
+    cards: tuple[int, ...]
+    uuids: tuple[str, ...]
+    log_path: Path
+    returncode: int | None
+
+
+# -- pure decisions ------------------------------------------------------------------------------
+
+
+def place_neighbours(
+    cards: int,
+    ours: Collection[int],
+    held: Mapping[str, tuple[int, ...]],
+    neighbours: Sequence[tuple[str, int]],
+) -> dict[str, tuple[int, ...]]:
+    """Which cards each neighbour pod holds. `neighbours` are (pod uid, nvidia.com/gpu limit) in
+    pod order; one that `held` cards before keeps them, a new one gets the lowest indexes that
+    neither `ours` nor another neighbour holds (fewer when the node is overcommitted)."""
+    result = {uid: held[uid] for uid, _ in neighbours if uid in held}
+    taken = set(ours).union(*result.values())
+    for uid, count in neighbours:
+        if uid in result:
+            continue
+        given = free_cards(cards, taken)[:count]
+        result[uid] = given
+        taken.update(given)
+    return result
+
+
+def free_cards(cards: int, taken: Iterable[int]) -> tuple[int, ...]:
+    """The indexes of a node's `cards` that nobody holds, lowest first."""
+    held = set(taken)
+    return tuple(i for i in range(cards) if i not in held)
+
+
+def secret_names(container: Mapping[str, Any]) -> set[str]:
+    """The Secrets the container's env refers to."""
+    names = set()
+    for entry in container.get("env") or ():
+        ref = (entry.get("valueFrom") or {}).get("secretKeyRef")
+        if ref and ref.get("name"):
+            names.add(str(ref["name"]))
+    return names
+
+
+def resolve_env(
+    container: Mapping[str, Any],
+    namespace: str,
+    found_secrets: Mapping[str, Obj | None],
+    fields: Mapping[str, str],
+) -> dict[str, str]:
+    """The container's env as the kubelet resolves it: `value`, `valueFrom.secretKeyRef` (from
+    `found_secrets`, by name; None: missing) and `valueFrom.fieldRef` (from `fields`, by field
+    path). Later entries win. `$(VAR)` references are not expanded. Raises
+    ContainerConfigError with the kubelet's wording when something is missing."""
+    env: dict[str, str] = {}
+    for entry in container.get("env") or ():
+        name = str(entry["name"])
+        if "valueFrom" not in entry:
+            env[name] = str(entry.get("value", ""))
+            continue
+        source = entry["valueFrom"] or {}
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            secret = found_secrets.get(ref["name"])
+            optional = bool(ref.get("optional"))
+            if secret is None:
+                if optional:
+                    continue
+                raise ContainerConfigError(f'secret "{ref["name"]}" not found')
+            data = secret.get("data") or {}
+            if ref["key"] not in data:
+                if optional:
+                    continue
+                raise ContainerConfigError(
+                    f"couldn't find key {ref['key']} in Secret {namespace}/{ref['name']}"
+                )
+            try:
+                env[name] = base64.b64decode(data[ref["key"]], validate=True).decode()
+            except (binascii.Error, UnicodeDecodeError):
+                raise ContainerConfigError(
+                    f"key {ref['key']} of Secret {namespace}/{ref['name']} is not base64 of "
+                    "UTF-8 text; store it under data base64-encoded (or under stringData)"
+                ) from None
+        elif "fieldRef" in source:
+            path = source["fieldRef"].get("fieldPath", "")
+            if path not in fields:
+                raise ContainerConfigError(
+                    f"env {name}: fieldRef {path!r} is not supported by the simulated kubelet; "
+                    f"use one of {', '.join(sorted(fields))}"
+                )
+            env[name] = fields[path]
+        else:
+            kinds = ", ".join(sorted(source)) or "nothing"
+            raise ContainerConfigError(
+                f"env {name}: valueFrom {kinds} is not supported by the simulated kubelet; use "
+                "value, secretKeyRef or fieldRef"
+            )
+    return env
+
+
+def job_is_finished(job: Mapping[str, Any]) -> bool:
+    """Whether the Job controller has marked the Job Complete or Failed."""
+    status = job.get("status") or {}
+    for condition in status.get("conditions") or ():
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return True
+    return bool(status.get("succeeded") or status.get("failed"))
+
+
+def exit_code(returncode: int) -> int:
+    """A container's exit code as Kubernetes reports it: 128 + the signal that ended it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def unschedulable_status(wanted: int) -> Obj:
+    """A pod the scheduler cannot place: too few free cards on the node it is pinned to."""
+    return {
+        "phase": "Pending",
+        "qosClass": "BestEffort",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": f"0/1 nodes are available: 1 Insufficient nvidia.com/gpu (wants "
+                f"{wanted}).",
+                "lastTransitionTime": _now(),
+            }
+        ],
+    }
+
+
+def waiting_status(container: str, reason: str, message: str = "") -> Obj:
+    """A bound pod whose container has not started: `reason` is ContainerCreating or
+    CreateContainerConfigError (then `message` says what is missing)."""
+    waiting: Obj = {"reason": reason}
+    if message:
+        waiting["message"] = message
+    return {
+        "phase": "Pending",
+        "qosClass": "BestEffort",
+        "hostIP": HOST_IP,
+        "conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()},
+            {"type": "Ready", "status": "False", "reason": "ContainersNotReady"},
+        ],
+        "containerStatuses": [
+            {
+                "name": container,
+                "ready": False,
+                "started": False,
+                "restartCount": 0,
+                "image": "",
+                "imageID": "",
+                "state": {"waiting": waiting},
+            }
+        ],
+    }
+
+
+def running_status(container: str, image: str, started_at: str, host_network: bool) -> Obj:
+    status: Obj = {
+        "phase": "Running",
+        "qosClass": "BestEffort",
+        "hostIP": HOST_IP,
+        "startTime": started_at,
+        "conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": started_at},
+            {"type": "Initialized", "status": "True", "lastTransitionTime": started_at},
+            {"type": "ContainersReady", "status": "True", "lastTransitionTime": started_at},
+            {"type": "Ready", "status": "True", "lastTransitionTime": started_at},
+        ],
+        "containerStatuses": [
+            {
+                "name": container,
+                "ready": True,
+                "started": True,
+                "restartCount": 0,
+                "image": image,
+                "imageID": "",
+                "state": {"running": {"startedAt": started_at}},
+            }
+        ],
+    }
+    if host_network:
+        status["podIP"] = HOST_IP
+        status["podIPs"] = [{"ip": HOST_IP}]
+    return status
+
+
+def terminated_status(
+    container: str, image: str, started_at: str, returncode: int, host_network: bool
+) -> Obj:
+    """The pod after its one container (restartPolicy Never) ended with `returncode`."""
+    finished_at = _now()
+    code = exit_code(returncode)
+    status = running_status(container, image, started_at, host_network)
+    status["phase"] = "Succeeded" if code == 0 else "Failed"
+    for condition in status["conditions"]:
+        if condition["type"] in ("Ready", "ContainersReady"):
+            condition.update(status="False", reason="PodCompleted" if code == 0 else "PodFailed")
+            condition["lastTransitionTime"] = finished_at
+    (container_status,) = status["containerStatuses"]
+    container_status.update(ready=False, started=False)
+    container_status["state"] = {
+        "terminated": {
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": started_at,
+            "finishedAt": finished_at,
+        }
+    }
+    return status
+
+
+def job_finished_status(succeeded: bool) -> Obj:
+    """The merge patch the Job controller writes when a Job's one pod (backoffLimit 0) ended:
+    the count, the condition and, for a success only, completionTime (as Kubernetes does)."""
+    now = _now()
+    patch: Obj = {"active": None, "ready": 0, "uncountedTerminatedPods": {}}
+    if succeeded:
+        patch["succeeded"] = 1
+        patch["completionTime"] = now
+        condition: Obj = {"type": "Complete", "status": "True"}
+    else:
+        patch["failed"] = 1
+        condition = {
+            "type": "Failed",
+            "status": "True",
+            "reason": "BackoffLimitExceeded",
+            "message": "Job has reached the specified backoff limit",
+        }
+    condition.update(lastProbeTime=now, lastTransitionTime=now)
+    patch["conditions"] = [condition]
+    return patch
+
+
+# -- the nodes on disk ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Node:
+    spec: SimNode
+    index: int
+    description: Path
+    dev_dir: Path
+    driver_dir: Path
+    state_dir: Path
+    podresources_socket: Path
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(standin_device(i).uuid for i in range(self.spec.cards))
+
+    def environ(self, library: Path) -> dict[str, str]:
+        """What makes an agent on this machine see this node and only this node."""
+        return {
+            **standin_environ(library, self.description),
+            "LEVERS9_GPU_DEV_DIR": str(self.dev_dir),
+            "LEVERS9_GPU_DRIVER_DIR": str(self.driver_dir),
+            "LEVERS9_PODRESOURCES_SOCKET": str(self.podresources_socket),
+            "LEVERS9_STATE_DIR": str(self.state_dir),
+            "LEVERS9_NETWORK_PREFIX": f"k{self.index}",
+            "LEVERS9_NETWORK_TABLE": f"levers9_k{self.index}",
+            "LEVERS9_NETWORK_POOL": f"169.254.{128 + 16 * self.index}.0/20",
+        }
+
+
+def node_devices(dev: Path, minors: Iterable[int]) -> Path:
+    """The node's /dev: the stand-in's device nodes, or why the kubelet cannot make them."""
+    try:
+        return make_device_nodes(dev, minors)
+    except PermissionError:
+        raise KubeletSetupError(
+            f"cannot create device nodes in {dev}: the simulated kubelet needs root (mknod); "
+            "run the test as root or skip it"
+        ) from None
+
+
+def make_driver_dir(driver: Path) -> Path:
+    """A driver directory laid out like GKE's /home/kubernetes/bin/nvidia."""
+    (driver / "bin").mkdir(parents=True, exist_ok=True)
+    (driver / "lib64").mkdir(exist_ok=True)
+    (driver / "bin" / "nvidia-smi").write_text("#!/bin/sh\n")
+    (driver / "lib64" / "libcuda.so.1").write_text("")
+    return driver
+
+
+# -- the kubelet ---------------------------------------------------------------------------------
+
+_State = Literal["unscheduled", "bound", "starting", "running", "stopping", "exited", "gone"]
+_HOLDS_CARDS = frozenset({"bound", "starting", "running", "stopping"})
+
+
+@attrs.define(eq=False)
+class _Worker:
+    """One Job's pod on one of our nodes, from first sight until its agent has exited."""
+
+    job: Obj
+    node: _Node
+    wanted: int
+    pod_name: str
+    state: _State = "unscheduled"
+    pod_created: bool = False
+    pod_uid: str = ""
+    pending_note: str = ""
+    cards: tuple[int, ...] = ()
+    started_at: str = ""
+    process: trio.Process | None = None
+    returncode: int | None = None
+    job_deleted: bool = False
+    stop_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+    @property
+    def name(self) -> str:
+        return str(self.job["metadata"]["name"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.job["metadata"]["namespace"])
+
+    @property
+    def grace_s(self) -> float:
+        spec = ((self.job.get("spec") or {}).get("template") or {}).get("spec") or {}
+        return float(spec.get("terminationGracePeriodSeconds", GRACE_S))
+
+    @property
+    def uid(self) -> str:
+        return str(self.job["metadata"]["uid"])
+
+    @property
+    def pod_spec(self) -> Obj:
+        spec: Obj = self.job["spec"]["template"].get("spec") or {}
+        return spec
+
+    @property
+    def container(self) -> Obj:
+        containers = self.pod_spec.get("containers") or [{}]
+        first: Obj = containers[0]
+        return first
+
+
+class SimulatedKubelet:
+    """Runs the worker Jobs pinned to `nodes` as local `levers9-agent run` processes.
+
+    `root` holds everything it lays out: the stand-in NVML library (root/nvml), one directory per
+    node (root/nodes/<node>: nvml.json, dev/, driver/, state/) and the agents' output
+    (root/logs/<job>.log). `extra_env` is applied last to every agent's environment; `python`
+    runs `-m agent.daemon.cli` from the repository.
+    """
+
+    def __init__(
+        self,
+        kube: KubeStandin,
+        root: Path,
+        nodes: Sequence[SimNode],
+        *,
+        extra_env: Mapping[str, str] | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        names = [node.name for node in nodes]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"node {name!r} is given twice; give each SimNode its own name")
+        if len(nodes) > MAX_NODES:
+            raise ValueError(
+                f"{len(nodes)} nodes: the simulated kubelet runs at most {MAX_NODES} (each gets "
+                "its own /20 of 169.254.128.0/17 for container networks)"
+            )
+        for node in nodes:
+            if node.cards < 0:
+                raise ValueError(f"node {node.name!r}: cards must be 0 or more, not {node.cards}")
+        self._kube = kube
+        self._root = root
+        self._specs = tuple(nodes)
+        self._extra_env = dict(extra_env or {})
+        self._python = python
+        self._library: Path | None = None
+        self._nodes: dict[str, _Node] = {}
+        self._workers: dict[str, _Worker] = {}
+        """By Job uid, in the order the Jobs were first seen."""
+        self._neighbours: dict[str, dict[str, tuple[int, ...]]] = {}
+        """Node -> neighbour pod uid -> the cards it holds."""
+        self._changed = trio.lowlevel.ParkingLot()
+
+    def __repr__(self) -> str:
+        return f"SimulatedKubelet(root={str(self._root)!r}, nodes={[s.name for s in self._specs]})"
+
+    # -- the public surface
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Lays out the nodes, adds them to the stand-in, then runs Jobs until cancelled; on
+        cancellation every agent gets SIGTERM (SIGKILL after its grace period) and is waited for."""
+        self._library, self._nodes = await trio.to_thread.run_sync(self._lay_out)
+        for node in self._nodes.values():
+            spec = node.spec
+            labels = {**spec.labels, HOSTNAME_LABEL: spec.name}
+            self._kube.add_node(
+                make_node(spec.name, spec.cards, spec.cpu, spec.memory, labels=labels)
+            )
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                self._sync(nursery)
+                await trio.sleep(POLL_S)
+
+    def agents(self) -> list[AgentPod]:
+        """Every agent started so far, running or exited, in the order their Jobs were seen."""
+        return [
+            AgentPod(
+                job_name=w.name,
+                namespace=w.namespace,
+                node=w.node.spec.name,
+                pod_name=w.pod_name,
+                pid=w.process.pid,
+                cards=w.cards,
+                uuids=tuple(w.node.uuids[i] for i in w.cards),
+                log_path=self._log_path(w),
+                returncode=w.returncode,
+            )
+            for w in self._workers.values()
+            if w.process is not None
+        ]
+
+    def kill(self, job_name: str) -> None:
+        """SIGKILLs the running agent of Job `job_name` (a worker dying under its pod)."""
+        worker = self._latest(job_name)
+        if worker is None or worker.process is None or worker.returncode is not None:
+            raise LookupError(
+                f"no agent of Job {job_name!r} is running; wait for it to start (agents())"
+            )
+        worker.process.kill()
+
+    async def wait_job_finished(self, job_name: str) -> int:
+        """Waits until the agent of Job `job_name` (the newest Job of that name) has exited and
+        returns its returncode; the caller applies a deadline."""
+        while True:
+            worker = self._latest(job_name)
+            if worker is not None and worker.returncode is not None:
+                return worker.returncode
+            await self._changed.park()
+
+    # -- laying out the nodes
+
+    def _lay_out(self) -> tuple[Path, dict[str, _Node]]:
+        library = build_standin(self._root / "nvml")
+        (self._root / "logs").mkdir(parents=True, exist_ok=True)
+        nodes = {}
+        for index, spec in enumerate(self._specs):
+            base = self._root / "nodes" / spec.name
+            base.mkdir(parents=True, exist_ok=True)
+            (base / "state").mkdir(exist_ok=True)
+            nodes[spec.name] = _Node(
+                spec=spec,
+                index=index,
+                description=write_node(base / "nvml.json", nvlinked_node(spec.cards)),
+                dev_dir=node_devices(base / "dev", range(spec.cards)),
+                driver_dir=make_driver_dir(base / "driver"),
+                state_dir=base / "state",
+                # No kubelet socket: the agent reads NVIDIA_VISIBLE_DEVICES, as on EKS.
+                podresources_socket=base / "pod-resources" / "kubelet.sock",
+            )
+        return library, nodes
+
+    # -- one look at the stand-in
+
+    def _sync(self, nursery: trio.Nursery) -> None:
+        jobs = {job["metadata"]["uid"]: job for job in self._kube.jobs()}
+        pods = self._kube.pods()
+        pod_keys = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in pods}
+        for worker in list(self._workers.values()):
+            if worker.state in ("exited", "gone"):
+                continue
+            job_gone = worker.uid not in jobs
+            pod_gone = worker.pod_created and (worker.namespace, worker.pod_name) not in pod_keys
+            if job_gone or pod_gone:
+                self._stop(worker, job_gone=job_gone)
+        self._place_neighbours(pods)
+        for uid, job in jobs.items():
+            if uid in self._workers or job_is_finished(job):
+                continue
+            if job["metadata"].get("deletionTimestamp"):
+                continue
+            node = self._nodes.get(job_node(job) or "")
+            if node is None:
+                continue
+            template_spec = job["spec"]["template"].get("spec") or {}
+            self._workers[uid] = _Worker(
+                job=job,
+                node=node,
+                wanted=pod_gpus({"spec": template_spec}),
+                pod_name=f"{job['metadata']['name']}-{secrets.token_hex(3)[:5]}",
+            )
+        for worker in list(self._workers.values()):
+            if worker.state == "unscheduled":
+                self._schedule(worker)
+            if worker.state == "bound":
+                self._try_start(worker, nursery)
+
+    def _held_by_us(self, node: str) -> set[int]:
+        return {
+            card
+            for w in self._workers.values()
+            if w.node.spec.name == node and w.state in _HOLDS_CARDS
+            for card in w.cards
+        }
+
+    def _place_neighbours(self, pods: Sequence[Obj]) -> None:
+        ours = {(w.namespace, w.pod_name) for w in self._workers.values() if w.pod_created}
+        by_node: dict[str, list[tuple[str, int]]] = {name: [] for name in self._nodes}
+        for pod in pods:
+            node = (pod.get("spec") or {}).get("nodeName")
+            meta = pod["metadata"]
+            if node not in by_node or (meta["namespace"], meta["name"]) in ours:
+                continue
+            if (pod.get("status") or {}).get("phase") in _TERMINAL_PHASES:
+                continue
+            gpus = pod_gpus(pod)
+            if gpus:
+                by_node[node].append((meta["uid"], gpus))
+        for name, neighbours in by_node.items():
+            self._neighbours[name] = place_neighbours(
+                self._nodes[name].spec.cards,
+                self._held_by_us(name),
+                self._neighbours.get(name, {}),
+                neighbours,
+            )
+
+    def _schedule(self, worker: _Worker) -> None:
+        node = worker.node.spec.name
+        taken = self._held_by_us(node).union(*self._neighbours.get(node, {}).values())
+        free = free_cards(worker.node.spec.cards, taken)
+        if len(free) < worker.wanted:
+            # Like the scheduler: the pod stays Pending, unbound, and is tried again.
+            if not worker.pod_created:
+                self._create_pod(worker, bound=False)
+            return
+        if not worker.pod_created:
+            if not self._create_pod(worker, bound=True):
+                return
+        else:
+            status = waiting_status(worker.container.get("name", ""), "ContainerCreating")
+            binding = {"spec": {"nodeName": node}, "status": status}
+            if self._kube.patch("pods", worker.pod_name, binding, worker.namespace) is None:
+                return  # deleted meanwhile: the next look stops the worker
+        worker.cards = free[: worker.wanted]
+        worker.state = "bound"
+        log.info(
+            "pod %s/%s bound to %s with cards %s",
+            worker.namespace,
+            worker.pod_name,
+            node,
+            list(worker.cards),
+        )
+
+    def _create_pod(self, worker: _Worker, *, bound: bool) -> bool:
+        template = worker.job["spec"]["template"]
+        tmeta = template.get("metadata") or {}
+        spec = dict(worker.pod_spec)
+        if bound:
+            spec["nodeName"] = worker.node.spec.name
+            status = waiting_status(worker.container.get("name", ""), "ContainerCreating")
+        else:
+            status = unschedulable_status(worker.wanted)
+        job_meta = worker.job["metadata"]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": worker.pod_name,
+                "namespace": worker.namespace,
+                "labels": dict(tmeta.get("labels") or {}),
+                "annotations": dict(tmeta.get("annotations") or {}),
+                "ownerReferences": [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": job_meta["name"],
+                        "uid": job_meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+            "spec": spec,
+            "status": status,
+        }
+        try:
+            created = self._kube.create("pods", pod)
+        except KubeError as err:
+            log.warning(
+                "pod %s/%s not created (%s); trying again",
+                worker.namespace,
+                worker.pod_name,
+                err.message,
+            )
+            return False
+        worker.pod_created = True
+        worker.pod_uid = created["metadata"]["uid"]
+        self._patch_job(worker, {"active": 1, "ready": 0, "startTime": _now()})
+        return True
+
+    def _try_start(self, worker: _Worker, nursery: trio.Nursery) -> None:
+        namespace = worker.namespace
+        container = worker.container
+        found = {
+            name: self._kube.get("secrets", name, namespace) for name in secret_names(container)
+        }
+        fields = {
+            "spec.nodeName": worker.node.spec.name,
+            "spec.serviceAccountName": str(worker.pod_spec.get("serviceAccountName") or "default"),
+            "metadata.name": worker.pod_name,
+            "metadata.namespace": namespace,
+            "metadata.uid": worker.pod_uid,
+            "status.hostIP": HOST_IP,
+        }
+        host_network = bool(worker.pod_spec.get("hostNetwork"))
+        if host_network:
+            fields["status.podIP"] = HOST_IP
+        try:
+            job_env = resolve_env(container, namespace, found, fields)
+        except ContainerConfigError as exc:
+            # The real kubelet retries these until the Secret shows up.
+            if worker.pending_note != str(exc):
+                worker.pending_note = str(exc)
+                status = waiting_status(
+                    container.get("name", ""), "CreateContainerConfigError", str(exc)
+                )
+                self._kube.patch("pods", worker.pod_name, {"status": status}, namespace)
+            return
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("LEVERS9_") and k not in _PASSED_OVER
+        }
+        env.update(job_env)
+        assert self._library is not None
+        env.update(worker.node.environ(self._library))
+        if worker.wanted:
+            env["NVIDIA_VISIBLE_DEVICES"] = ",".join(worker.node.uuids[i] for i in worker.cards)
+        if host_network:
+            env.update(LEVERS9_LISTEN=f"{HOST_IP}:0", LEVERS9_ADVERTISE_HOST=HOST_IP)
+        env.update(self._extra_env)
+        args = container.get("args") or ["run"]
+        argv = [self._python, "-m", "agent.daemon.cli", *map(str, args)]
+        output = self._log_path(worker).open("ab")
+        worker.state = "starting"
+        nursery.start_soon(self._run_agent, worker, argv, env, output)
+
+    # -- an agent's life
+
+    async def _run_agent(
+        self, worker: _Worker, argv: list[str], env: dict[str, str], output: IO[bytes]
+    ) -> None:
+        shutting_down = True
+        try:
+            with worker.stop_scope:
+                try:
+                    worker.process = await trio.lowlevel.open_process(
+                        argv, env=env, cwd=REPO, stdout=output, stderr=subprocess.STDOUT
+                    )
+                finally:
+                    output.close()
+                worker.started_at = _now()
+                log.info(
+                    "agent of Job %s/%s started (pid %d)",
+                    worker.namespace,
+                    worker.name,
+                    worker.process.pid,
+                )
+                if worker.state == "starting":
+                    worker.state = "running"
+                    self._on_running(worker)
+                self._changed.unpark_all()
+                await worker.process.wait()
+            shutting_down = False
+        finally:
+            process = worker.process
+            if process is not None:
+                with trio.CancelScope(shield=True):
+                    await _terminate(process, worker.grace_s)
+                worker.returncode = process.returncode
+            if not shutting_down:
+                self._on_exit(worker)
+            worker.state = "exited" if process is not None else "gone"
+            self._changed.unpark_all()
+
+    def _stop(self, worker: _Worker, *, job_gone: bool) -> None:
+        """The Job or its pod was deleted: stop the agent (if any) and clean up after it."""
+        worker.job_deleted = job_gone
+        if worker.state in ("starting", "running"):
+            log.info(
+                "stopping agent of Job %s/%s: %s deleted",
+                worker.namespace,
+                worker.name,
+                "Job" if job_gone else "pod",
+            )
+            worker.state = "stopping"
+            worker.stop_scope.cancel()
+        elif worker.state in ("unscheduled", "bound"):
+            worker.state = "gone"
+            self._on_exit(worker)
+            self._changed.unpark_all()
+
+    def _on_running(self, worker: _Worker) -> None:
+        image = str(worker.container.get("image", ""))
+        status = running_status(
+            worker.container.get("name", ""),
+            image,
+            worker.started_at,
+            bool(worker.pod_spec.get("hostNetwork")),
+        )
+        self._kube.patch("pods", worker.pod_name, {"status": status}, worker.namespace)
+        self._patch_job(worker, {"ready": 1})
+
+    def _on_exit(self, worker: _Worker) -> None:
+        """What the kubelet and the Job controller write once the agent has gone."""
+        if worker.job_deleted:
+            try:
+                self._kube.remove_pod(worker.pod_name, worker.namespace)
+            except KubeError as err:
+                if err.code != 404:
+                    raise
+            return
+        pod = self._kube.get("pods", worker.pod_name, worker.namespace)
+        returncode = worker.returncode
+        if pod is not None and returncode is not None:
+            status = terminated_status(
+                worker.container.get("name", ""),
+                str(worker.container.get("image", "")),
+                worker.started_at,
+                returncode,
+                bool(worker.pod_spec.get("hostNetwork")),
+            )
+            self._kube.patch("pods", worker.pod_name, {"status": status}, worker.namespace)
+        # A pod deleted before it finished counts as failed (backoffLimit 0: the Job fails).
+        succeeded = pod is not None and returncode == 0
+        self._patch_job(worker, job_finished_status(succeeded))
+        log.info("agent of Job %s/%s exited with %s", worker.namespace, worker.name, returncode)
+
+    def _patch_job(self, worker: _Worker, status: Obj) -> None:
+        job = self._kube.get("jobs", worker.name, worker.namespace)
+        if job is None or job["metadata"]["uid"] != worker.uid:
+            return
+        if "startTime" in status and (job.get("status") or {}).get("startTime"):
+            status = {k: v for k, v in status.items() if k != "startTime"}
+        self._kube.patch("jobs", worker.name, {"status": status}, worker.namespace)
+
+    def _log_path(self, worker: _Worker) -> Path:
+        return self._root / "logs" / f"{worker.name}.log"
+
+    def _latest(self, job_name: str) -> _Worker | None:
+        found = None
+        for worker in self._workers.values():
+            if worker.name == job_name:
+                found = worker
+        return found
+
+
+async def _terminate(process: trio.Process, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`; returns once the process has exited."""
+    if process.returncode is None:
+        process.terminate()
+        with trio.move_on_after(grace_s):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -55,7 +55,7 @@ from bench.tunnel import Terminated, run_until_sigterm
 from control.cli.client import ControlClient, open_control_client
 from control.models import TaskRequest, TaskView
 from sim.cluster import REPO, Cluster, PoolSpec, open_cluster
-from sim.kubeapi import start_kube_standin
+from sim.kubeapi.http import start_kube_standin
 from sim.kubelet import SimNode
 from sim.registry import busybox_image, push, running_registry
 

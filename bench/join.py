@@ -32,7 +32,7 @@ import yaml
 from bench.report import render_table, write_report
 from control.kube.join import manifests
 from sim.cluster import REPO, Cluster, controlplane_pod, open_cluster
-from sim.kubeapi import start_kube_standin
+from sim.kubeapi.http import start_kube_standin
 
 QUICK = 3
 FULL = 10

@@ -35,7 +35,7 @@ from control.api.server import Controlplane, serve_controlplane
 from control.cli.client import ControlClient, open_control_client
 from control.config import ControlConfig, parse
 from sim.configs import Pki, make_pki
-from sim.kubeapi import KubeStandin
+from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode, SimulatedKubelet
 
 REPO = Path(__file__).resolve().parents[1]

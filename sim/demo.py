@@ -21,7 +21,6 @@ else it says which step failed and exits 1; it stops everything it started eithe
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shlex
@@ -39,7 +38,8 @@ from agent.wire.errors import ApiError
 from agent.wire.logs import setup_logging
 from control.cli.client import ControlClient
 from sim.cluster import POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
-from sim.kubeapi import make_pod, start_kube_standin
+from sim.kubeapi.http import start_kube_standin
+from sim.kubeapi.objects import make_pod
 from sim.kubelet import SimNode
 from sim.registry import busybox_image, running_registry
 
@@ -304,43 +304,6 @@ def main() -> int:
             traceback.print_exception(group)
             _say("\ndemo failed: an unexpected error, shown above")
     return code
-
-
-# -- kept for tests/test_modes.py, which imports them from here (they belong in tests/) ----------
-
-
-async def open_hash_service(nursery: trio.Nursery) -> int:
-    """A TCP service on loopback (the workers' side) that answers the SHA-256 of everything
-    it was sent; returns its port."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-
-    async def handle(stream: trio.SocketStream) -> None:
-        digest = hashlib.sha256()
-        async with stream:
-            while data := await stream.receive_some(1 << 20):
-                digest.update(data)
-            await stream.send_all(digest.hexdigest().encode())
-
-    await nursery.start(trio.serve_listeners, handle, listeners)
-    return int(listeners[0].socket.getsockname()[1])
-
-
-async def check_through_hash_service(
-    stream: trio.abc.HalfCloseableStream, total_bytes: int
-) -> bool:
-    """Send `total_bytes` of random data to the hash service over `stream`, then compare
-    the SHA-256 it answers with our own; closes the stream."""
-    block = os.urandom(1 << 20)
-    expected = hashlib.sha256()
-    for _ in range(total_bytes // len(block)):
-        await stream.send_all(block)
-        expected.update(block)
-    await stream.send_eof()
-    answer = b""
-    while data := await stream.receive_some():
-        answer += data
-    await stream.aclose()
-    return answer.decode() == expected.hexdigest()
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ from nvml.standin import (
     standin_environ,
     write_node,
 )
-from sim.kubeapi import KubeError, KubeStandin, Obj, job_node, make_node
+from sim.kubeapi.model import KubeError, Obj
+from sim.kubeapi.objects import job_node, make_node
+from sim.kubeapi.store import KubeStandin
 
 log = logging.getLogger("levers9.sim.kubelet")
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.kubeapi import KubeStandin, start_kube_standin
+from sim.kubeapi.http import start_kube_standin
+from sim.kubeapi.store import KubeStandin
 
 
 @pytest.fixture

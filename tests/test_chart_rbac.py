@@ -15,7 +15,7 @@ import trio
 
 from control.models import TaskRequest
 from sim.cluster import PoolSpec, open_cluster, pod_environment
-from sim.kubeapi import KubeStandin
+from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from tests.registry_fixtures import SharedRegistry
 from tests.test_chart import NAMESPACE, in_cluster_pool, of_kind, public_values, render

@@ -20,7 +20,7 @@ import trio
 
 from control.models import TaskView
 from sim.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
-from sim.kubeapi import KubeStandin
+from sim.kubeapi.store import KubeStandin
 from tests.registry_fixtures import SharedRegistry
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]

@@ -18,7 +18,7 @@ from kubernetes import client as k8s
 from control.kube.join import CLUSTER_RULES, NAMESPACE_RULES, manifests, pool_block
 from control.kube.pools import load_pools
 from sim.cluster import OWN_NAMESPACE, POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
-from sim.kubeapi import KubeStandin
+from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from tests.registry_fixtures import SharedRegistry
 

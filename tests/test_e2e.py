@@ -19,7 +19,7 @@ from control.cli.client import ControlClient
 from control.models import TaskRequest, TaskView, TaskVolume
 from sim.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
 from sim.configs import read_line
-from sim.kubeapi import KubeStandin
+from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from sim.s3 import S3Server
 from tests.registry_fixtures import AuthRegistry, SharedRegistry

@@ -13,7 +13,8 @@ import trio
 from control.cli.client import ControlClient
 from control.models import TaskRequest, TaskView
 from sim.cluster import open_node_cluster
-from sim.kubeapi import KubeStandin, make_pod
+from sim.kubeapi.objects import make_pod
+from sim.kubeapi.store import KubeStandin
 from tests.registry_fixtures import SharedRegistry
 from tests.test_e2e import wait_for_line, wait_state
 

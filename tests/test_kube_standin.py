@@ -15,7 +15,9 @@ import trio
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from sim.kubeapi import KubeStandin, make_node, make_pod, start_kube_standin
+from sim.kubeapi.http import start_kube_standin
+from sim.kubeapi.objects import make_node, make_pod
+from sim.kubeapi.store import KubeStandin
 
 pytest_plugins = ["tests.kube_fixtures"]
 
@@ -286,7 +288,7 @@ def test_large_list_timing(tmp_path: Path) -> None:
     running = start_kube_standin(tmp_path / "kube")
     try:
         kube = running.kube
-        from sim.kubeapi import synthetic_cluster
+        from sim.kubeapi.store import synthetic_cluster
 
         started = time.perf_counter()
         synthetic_cluster(kube, nodes=5000, pods_per_node=20)

@@ -17,7 +17,9 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from sim.kubeapi import RBAC, KubeStandin, make_node, make_pod
+from sim.kubeapi.model import RBAC
+from sim.kubeapi.objects import make_node, make_pod
+from sim.kubeapi.store import KubeStandin
 
 pytest_plugins = ["tests.kube_fixtures"]
 

@@ -27,18 +27,21 @@ from control.kube.planner import (
     job_manifest,
     job_name,
     plan_pool,
+    pod_request,
     token_secret_name,
     with_job_uid,
 )
 from nvml.standin import standin_device
 from sim.configs import Pki, control_config, make_pki
-from sim.kubeapi import KubeStandin, make_pod
+from sim.kubeapi.objects import make_pod
+from sim.kubeapi.store import KubeStandin
 from sim.kubelet import (
     ContainerConfigError,
     SimNode,
     SimulatedKubelet,
     exit_code,
     place_neighbours,
+    pod_gpus,
     resolve_env,
 )
 
@@ -318,3 +321,39 @@ def test_env_is_resolved_from_values_secrets_and_the_downward_api() -> None:
         resolve_env(container, "ns", {"s": {"data": {}}}, {"spec.nodeName": "gpu-a"})
     with pytest.raises(ContainerConfigError, match=r"spec\.nodeName"):
         resolve_env(container, "ns", {"s": secret}, {})
+
+
+# -- the kubelet's own pod arithmetic against the planner's ----------------------------------
+
+
+def _gpu_container(name: str, gpus: int, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}, **extra}
+
+
+@pytest.mark.parametrize(
+    ("spec", "held"),
+    [
+        ({"containers": [_gpu_container("a", 1), _gpu_container("b", 2)]}, 3),
+        # A regular init container hands its cards on: the pod needs the larger of the two.
+        ({"initContainers": [_gpu_container("i", 4)], "containers": [_gpu_container("a", 1)]}, 4),
+        # A sidecar keeps its card for the pod's life, beside the app containers' and under
+        # every init container started after it.
+        (
+            {
+                "initContainers": [
+                    _gpu_container("s", 1, restartPolicy="Always"),
+                    _gpu_container("i", 3),
+                ],
+                "containers": [_gpu_container("a", 1)],
+            },
+            4,
+        ),
+        ({"containers": [{"name": "cpu", "resources": {"requests": {"cpu": "1"}}}]}, 0),
+    ],
+)
+def test_the_kubelets_card_count_agrees_with_the_planners(spec: dict[str, Any], held: int) -> None:
+    """The simulated kubelet counts cards by its own reading of Kubernetes' rules, so the
+    planner's arithmetic is checked against something other than itself."""
+    pod = {"spec": spec}
+    assert pod_gpus(pod) == held
+    assert pod_request(pod).gpus == held

@@ -21,7 +21,7 @@ from agent.wire.tls import TLSStream
 from agent.wire.wsstream import WebSocketStream
 from control.api.server import Controlplane, serve_controlplane
 from sim.configs import WORKER_TOKENS, Pki, control_config, make_pki
-from sim.demo import check_through_hash_service, open_hash_service
+from tests.hash_service import check_through_hash_service, open_hash_service
 from tests.workers import agent_config
 
 MODES = ["direct", "tunnel"]

@@ -27,7 +27,8 @@ from control.kube.loop import PoolReconciler
 from control.kube.pools import load_pools
 from control.registry import WorkerRegistry
 from sim.configs import API_TOKEN, control_config, make_pki
-from sim.kubeapi import KubeStandin, make_node, make_pod
+from sim.kubeapi.objects import make_node, make_pod
+from sim.kubeapi.store import KubeStandin
 
 pytest_plugins = ["tests.kube_fixtures"]
 

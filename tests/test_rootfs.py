@@ -15,9 +15,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.host.mount import RootfsError, parse_mountinfo, unmount
+from agent.host.mount import parse_mountinfo
 from agent.runtime.layers import MEDIA_TYPE_TAR, LayerCache, write_layer
-from agent.runtime.rootfs import mount_overlay, overlay_mounts_under, overlays_under
+from agent.runtime.rootfs import (
+    RootfsError,
+    mount_overlay,
+    overlay_mounts_under,
+    overlays_under,
+    unmount,
+)
 from agent.store.objects import ObjectStore
 from agent.wire.errors import ErrorCode
 from tests.test_layers import Member, directory, ensure, entry, hardlink, put_layer, symlink

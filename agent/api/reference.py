@@ -24,8 +24,8 @@ _REGISTRY_RE = re.compile(
     rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[0-9a-fA-F:.]+\])(?::[0-9]{{1,5}})?"
 )
 _TAG_RE = re.compile(r"[\w][\w.-]{0,127}")
-_DIGEST_RE = re.compile(r"sha256:[a-f0-9]{64}")
-_ANY_DIGEST_RE = re.compile(r"[a-z0-9]+(?:[.+_-][a-z0-9]+)*:[a-zA-Z0-9=_-]+")
+DIGEST_RE = re.compile(r"sha256:[a-f0-9]{64}")
+ANY_DIGEST_RE = re.compile(r"[a-z0-9]+(?:[.+_-][a-z0-9]+)*:[a-zA-Z0-9=_-]+")
 
 
 class ImageError(ApiError):
@@ -76,8 +76,8 @@ def parse_reference(text: str) -> ImageReference:
     if text != text.strip() or any(c.isspace() for c in text):
         raise _invalid(text, "it contains whitespace; remove it")
     name, at, digest = text.partition("@")
-    if at and not _DIGEST_RE.fullmatch(digest):
-        if _ANY_DIGEST_RE.fullmatch(digest) and not digest.startswith("sha256:"):
+    if at and not DIGEST_RE.fullmatch(digest):
+        if ANY_DIGEST_RE.fullmatch(digest) and not digest.startswith("sha256:"):
             raise ImageError(
                 ErrorCode.UNIMPLEMENTED,
                 f"image reference {text!r} uses digest algorithm "

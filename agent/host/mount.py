@@ -1,7 +1,9 @@
 """The one adapter around mount(2), umount2(2) and /proc/self/mountinfo.
 
-The rootfs's overlays and the buckets' FUSE mounts both go through it: libc is loaded once,
-errno becomes OSError, and mountinfo is parsed (with its octal escapes) in one place.
+The rootfs's overlays (`agent.runtime.rootfs`) and the buckets' FUSE mounts
+(`agent.volumes.supervisor`) both go through it: libc is loaded once, a failed call is an
+`OSError` with its errno and the path, and mountinfo is parsed (with its octal escapes) in one
+place. What a failure means to a container or a bucket is for those callers to say.
 """
 
 from __future__ import annotations
@@ -16,81 +18,14 @@ from pathlib import Path
 
 import attrs
 
-# /proc/self/mountinfo is read the same way for rootfs overlays and for bucket mounts.
-from agent.wire.errors import ApiError, ErrorCode
+MS_BIND = 4096
+MS_PRIVATE = 1 << 18
+MS_SHARED = 1 << 20
+MNT_DETACH = 2
+UMOUNT_NOFOLLOW = 8
 
-
-def is_mounted(entries: Sequence[MountEntry], path: Path) -> bool:
-    return any(entry.mount_point == path for entry in entries)
-
-
-_MS_BIND = 4096
-_MS_REC = 16384
-_MS_PRIVATE = 1 << 18
-_MS_SHARED = 1 << 20
-_MNT_DETACH = 2
-
-
-class _Kernel:
-    """mount(2) and umount2(2) through libc; errors are OSError naming the path."""
-
-    def __init__(self) -> None:
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self._libc.mount.argtypes = [
-            ctypes.c_char_p,
-            ctypes.c_char_p,
-            ctypes.c_char_p,
-            ctypes.c_ulong,
-            ctypes.c_void_p,
-        ]
-        self._libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-
-    def _mount(self, source: Path | None, target: Path, flags: int) -> None:
-        source_bytes = os.fsencode(source) if source is not None else None
-        if self._libc.mount(source_bytes, os.fsencode(target), None, flags, None) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code), str(target))
-
-    def bind(self, source: Path, target: Path) -> None:
-        self._mount(source, target, _MS_BIND)
-
-    def make_shared_mount(self, path: Path) -> None:
-        """Bind `path` onto itself and give it a peer group of its own."""
-        self._mount(path, path, _MS_BIND)
-        self._mount(None, path, _MS_PRIVATE)
-        self._mount(None, path, _MS_SHARED)
-
-    def unmount(self, path: Path, *, lazy: bool) -> bool:
-        """True if something was unmounted, False if nothing is mounted at `path`."""
-        if self._libc.umount2(os.fsencode(path), _MNT_DETACH if lazy else 0) == 0:
-            return True
-        code = ctypes.get_errno()
-        if code in (errno.EINVAL, errno.ENOENT):
-            return False
-        raise OSError(code, os.strerror(code), str(path))
-
-    def unmount_all(self, path: Path) -> int:
-        """Detach every mount stacked at `path` (a detach takes the stack above with it)."""
-        count = 0
-        for _ in range(64):
-            if not self.unmount(path, lazy=True):
-                break
-            count += 1
-        return count
-
-
-def _read_mountinfo() -> list[MountEntry]:
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as file:
-        return parse_mountinfo(file.read())
-
-
-_MNT_DETACH = 2
-_UMOUNT_NOFOLLOW = 8
 _ESCAPE = re.compile(r"\\([0-7]{3})")
-
-
-class RootfsError(ApiError):
-    """A container's root filesystem could not be mounted or unmounted."""
+_MAX_STACKED = 64
 
 
 @attrs.frozen
@@ -108,41 +43,79 @@ class MountEntry:
     """In a shared peer group (mounts below it propagate to its peers and slaves)."""
 
 
-@functools.cache
-def _load_libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_ulong,
-        ctypes.c_char_p,
-    ]
-    libc.mount.restype = ctypes.c_int
-    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    libc.umount2.restype = ctypes.c_int
-    return libc
+class Mounts:
+    """mount(2) and umount2(2) through libc. Every method blocks (a mount can take a while on
+    a busy disk or a slow FUSE server): call it in a thread."""
 
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_ulong,
+            ctypes.c_char_p,
+        ]
+        libc.mount.restype = ctypes.c_int
+        libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        libc.umount2.restype = ctypes.c_int
+        self._libc = libc
 
-def unmount(target: Path) -> None:
-    """Unmount `target`; detach it lazily when it is busy. No error when nothing is mounted."""
-    libc = _load_libc()
-    path = os.fsencode(target)
-    if libc.umount2(path, _UMOUNT_NOFOLLOW) == 0:
-        return
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOENT):
-        return  # not a mount point, or not there at all
-    if code == errno.EBUSY:
-        # A process still has a file or its cwd in there: detach now, the kernel frees the
-        # mount when the last user lets go.
-        if libc.umount2(path, _MNT_DETACH | _UMOUNT_NOFOLLOW) == 0:
-            return
+    def mount(
+        self,
+        source: str | Path | None,
+        target: Path,
+        *,
+        fs_type: str | None = None,
+        flags: int = 0,
+        data: str | None = None,
+    ) -> None:
+        """mount(2); OSError naming `target` on failure."""
+        result = self._libc.mount(
+            os.fsencode(source) if source is not None else None,
+            os.fsencode(target),
+            fs_type.encode() if fs_type is not None else None,
+            flags,
+            os.fsencode(data) if data is not None else None,
+        )
+        if result != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), str(target))
+
+    def bind(self, source: Path, target: Path) -> None:
+        self.mount(source, target, flags=MS_BIND)
+
+    def make_shared_mount(self, path: Path) -> None:
+        """Bind `path` onto itself and give it a peer group of its own."""
+        self.mount(path, path, flags=MS_BIND)
+        self.mount(None, path, flags=MS_PRIVATE)
+        self.mount(None, path, flags=MS_SHARED)
+
+    def unmount(self, path: Path, *, lazy: bool = False, nofollow: bool = False) -> bool:
+        """True if something was unmounted, False if nothing is mounted at `path` (or it is
+        not there); OSError otherwise (EBUSY: still in use, try `lazy`)."""
+        flags = (MNT_DETACH if lazy else 0) | (UMOUNT_NOFOLLOW if nofollow else 0)
+        if self._libc.umount2(os.fsencode(path), flags) == 0:
+            return True
         code = ctypes.get_errno()
-    raise RootfsError(
-        ErrorCode.INTERNAL,
-        f"unmounting {target} failed: {os.strerror(code)} ({errno.errorcode.get(code, code)})",
-    )
+        if code in (errno.EINVAL, errno.ENOENT):
+            return False
+        raise OSError(code, os.strerror(code), str(path))
+
+    def unmount_all(self, path: Path) -> int:
+        """Detach every mount stacked at `path` (a detach takes the stack above with it)."""
+        count = 0
+        for _ in range(_MAX_STACKED):
+            if not self.unmount(path, lazy=True):
+                break
+            count += 1
+        return count
+
+
+@functools.cache
+def host_mounts() -> Mounts:
+    """The process's one `Mounts` (libc is loaded once)."""
+    return Mounts()
 
 
 def _unescape(field: str) -> str:
@@ -170,3 +143,13 @@ def parse_mountinfo(text: str) -> list[MountEntry]:
         except (ValueError, IndexError):
             continue  # not a mountinfo line
     return entries
+
+
+def read_mountinfo() -> list[MountEntry]:
+    """This process's mounts (blocking: a read of /proc)."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as file:
+        return parse_mountinfo(file.read())
+
+
+def is_mounted(entries: Sequence[MountEntry], path: Path) -> bool:
+    return any(entry.mount_point == path for entry in entries)

@@ -45,7 +45,6 @@ from agent.api.models import (
 )
 from agent.gpus.allocator import Refusal
 from agent.gpus.edits import spec_edits
-from agent.host.mount import unmount
 from agent.runtime.config import ContainerConfig
 from agent.runtime.exec import ExecSession
 from agent.runtime.images.puller import ImagePuller, RegistryCredentials
@@ -62,7 +61,7 @@ from agent.runtime.records import (
     ImageRecord,
     orphans,
 )
-from agent.runtime.rootfs import mount_overlay, overlay_mounts_under
+from agent.runtime.rootfs import mount_overlay, overlay_mounts_under, unmount
 from agent.runtime.runc import (
     ExitStatus,
     Runc,

@@ -12,20 +12,20 @@ use, as after a crash, fails with EBUSY; lower layers are shared by design), `re
 cannot express) and `metacopy=off` (every copied-up file has its data in the upper dir).
 
 Which mounts are ours is read back from /proc/self/mountinfo, which the kernel keeps even when
-the agent's own records are lost; the parser is a pure function.
+the agent's own records are lost. The syscalls and the mountinfo parser are `agent.host.mount`'s;
+this module says what a failure means for a container's root filesystem.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.host.mount import MountEntry, RootfsError, _load_libc, parse_mountinfo
-from agent.wire.errors import ErrorCode
+from agent.host.mount import MountEntry, host_mounts, read_mountinfo
+from agent.wire.errors import ApiError, ErrorCode
 
 # overlayfs refuses more lower layers than this (OVL_MAX_STACK).
 MAX_LAYERS = 500
@@ -35,6 +35,14 @@ OVERLAY_OPTIONS = "index=off,redirect_dir=off,metacopy=off"
 MOUNT_SOURCE = "levers9"
 # Characters that overlayfs's option parser treats as separators or escapes.
 _UNSAFE_IN_PATH = re.compile(r"[,:\\\s]")
+
+
+class RootfsError(ApiError):
+    """A container's root filesystem could not be mounted or unmounted."""
+
+
+def _failure(exc: OSError) -> str:
+    return f"{os.strerror(exc.errno or 0)} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
 
 
 def overlay_options(lowers: Sequence[Path], upper: Path, work: Path, *, image: str | None) -> str:
@@ -81,17 +89,32 @@ def mount_overlay(
     disk): run it in a thread.
     """
     options = overlay_options(lowers, upper, work, image=image)
-    libc = _load_libc()
-    result = libc.mount(
-        MOUNT_SOURCE.encode(), os.fsencode(target), b"overlay", 0, os.fsencode(options)
-    )
-    if result != 0:
-        code = ctypes.get_errno()
+    try:
+        host_mounts().mount(MOUNT_SOURCE, target, fs_type="overlay", data=options)
+    except OSError as exc:
         raise RootfsError(
             ErrorCode.INTERNAL,
-            f"mounting the overlay rootfs at {target} failed: {os.strerror(code)} "
-            f"({errno.errorcode.get(code, code)}); its upper dir is {upper}",
-        )
+            f"mounting the overlay rootfs at {target} failed: {_failure(exc)}; its upper dir "
+            f"is {upper}",
+        ) from None
+
+
+def unmount(target: Path) -> None:
+    """Unmount `target`; detach it lazily when it is busy. No error when nothing is mounted."""
+    mounts = host_mounts()
+    try:
+        try:
+            mounts.unmount(target, nofollow=True)
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            # A process still has a file or its cwd in there: detach now, the kernel frees
+            # the mount when the last user lets go.
+            mounts.unmount(target, lazy=True, nofollow=True)
+    except OSError as exc:
+        raise RootfsError(
+            ErrorCode.INTERNAL, f"unmounting {target} failed: {_failure(exc)}"
+        ) from None
 
 
 def overlays_under(entries: Sequence[MountEntry], root: Path) -> list[Path]:
@@ -110,7 +133,5 @@ def overlays_under(entries: Sequence[MountEntry], root: Path) -> list[Path]:
 
 def overlay_mounts_under(root: Path) -> list[Path]:
     """Overlay mounts at or below `root` in this mount namespace, newest first."""
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        text = f.read()
     # The kernel reports mount points with symlinks resolved.
-    return overlays_under(parse_mountinfo(text), Path(os.path.realpath(root)))
+    return overlays_under(read_mountinfo(), Path(os.path.realpath(root)))

@@ -472,7 +472,9 @@ class ObjectStore:
             await self._evict(spare=stored.digest)
         except ApiError as exc:
             # The object is stored; failing its ingest now would mislead the caller.
-            log.warning("eviction after ingest failed: %s", exc.message)
+            log.warning(
+                "eviction after ingest failed: %s", exc.message, extra={"digest": stored.digest}
+            )
         return stored
 
     def _present(self, digest: str, size: int | None) -> StoredObject | None:
@@ -627,7 +629,11 @@ class ObjectStore:
             # Same digest, so the same content, unless the one there is damaged: a wrong
             # size proves that, and a verified copy replaces it.
             if os.stat(final).st_size != size:
-                log.warning("replacing %s: the stored copy had the wrong size", final.name)
+                log.warning(
+                    "replacing %s: the stored copy had the wrong size",
+                    final.name,
+                    extra={"digest": DIGEST_PREFIX + final.name},
+                )
                 os.replace(temp, final)
         _fsync_directory(final.parent)
 
@@ -699,7 +705,12 @@ class ObjectStore:
         self.touch(digest)
 
     def _discard_corrupt(self, digest: str, actual: str, *, in_place: bool) -> None:
-        log.warning("object %s is corrupt (content hashes to %s); removing it", digest, actual)
+        log.warning(
+            "object %s is corrupt (content hashes to %s); removing it",
+            digest,
+            actual,
+            extra={"digest": digest, "actual": actual},
+        )
         if in_place:
             self.discard(digest)
 
@@ -816,7 +827,11 @@ class ObjectStore:
                 "evicted %d object(s), %d bytes",
                 len(evicted),
                 sum(by_digest[d].size for d in evicted),
-                extra={"evicted": evicted},
+                extra={
+                    "evicted": len(evicted),
+                    "evicted_bytes": sum(by_digest[d].size for d in evicted),
+                    "digests": ",".join(evicted),
+                },
             )
         return evicted
 
@@ -908,7 +923,7 @@ class ObjectStore:
                 ):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(item.path)
-                    log.info("removed abandoned temp file %s", item.name)
+                    log.info("removed abandoned temp file %s", item.name, extra={"file": item.name})
 
     def _free_bytes(self) -> int:
         info = os.statvfs(self._objects_dir)

@@ -18,16 +18,16 @@ from agent.api.models import VolumeSpec
 from agent.volumes.specs import VolumeError, VolumeOptions, bucket_url_of
 from agent.wire.errors import ErrorCode
 
-_RC_USER = "levers9"
+RC_USER = "levers9"
 _GCS_ENDPOINT = "https://storage.googleapis.com"
 _PROBE_PREFIX = ".levers9-probe-"
-_BARRIER_PREFIX = ".levers9-barrier-"
+BARRIER_PREFIX = ".levers9-barrier-"
 _SEARCH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_MAX_LINE_BYTES = 64 * 1024
+MAX_LINE_BYTES = 64 * 1024
 _MAX_REASON_CHARS = 200
 
 
-def _probe_name() -> str:
+def probe_name() -> str:
     return f"{_PROBE_PREFIX}{secrets.token_hex(6)}"
 
 
@@ -55,7 +55,7 @@ def rclone_environment(
     no file for its configuration."""
     env = {"PATH": search_path, "HOME": home, "RCLONE_CONFIG": "/nonexistent"}
     if rc_password is not None:
-        env.update({"RCLONE_RC_USER": _RC_USER, "RCLONE_RC_PASS": rc_password})
+        env.update({"RCLONE_RC_USER": RC_USER, "RCLONE_RC_PASS": rc_password})
     if spec.s3 is not None:
         s3 = spec.s3
         env.update(

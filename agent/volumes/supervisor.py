@@ -69,19 +69,19 @@ import trio
 from agent.api.models import VolumeSpec
 
 # /proc/self/mountinfo is read the same way for rootfs overlays and for bucket mounts.
-from agent.host.mount import MountEntry, _Kernel, _read_mountinfo, is_mounted
+from agent.host.mount import MountEntry, host_mounts, is_mounted, read_mountinfo
 from agent.volumes.rclone import (
-    _BARRIER_PREFIX,
-    _MAX_LINE_BYTES,
-    _RC_USER,
+    BARRIER_PREFIX,
+    MAX_LINE_BYTES,
+    RC_USER,
     RcloneFailure,
     RcServing,
     UploadFailed,
     UploadSucceeded,
-    _probe_name,
     endpoint_label,
     parse_rclone_line,
     probe_error,
+    probe_name,
     rclone_argv,
     rclone_environment,
     rclone_probe_argv,
@@ -198,6 +198,10 @@ class _Mount:
     def label(self) -> str:
         return f"{self.url} (workspace {self.spec.workspace})"
 
+    def log_fields(self) -> dict[str, str]:
+        """What a log line about this mount carries as fields (no credentials)."""
+        return {"workspace": self.spec.workspace, "bucket": str(self.url), "mount": self.name}
+
     def scrub(self, text: str) -> str:
         return scrub(text, (*self.secrets, self.rc_password))
 
@@ -225,8 +229,9 @@ class Volumes:
         self._on_event = on_event
         self._ca_file = ca_file
         self._options = options or VolumeOptions()
-        self._kernel = _Kernel()
+        self._kernel = host_mounts()
         self._nursery: trio.Nursery | None = None
+        self._stopping = False
         self._mounts: dict[str, _Mount] = {}
         self._live: dict[str, _Mount] = {}
         """Every mount instance with directories (starting, serving or closing), by name."""
@@ -243,8 +248,13 @@ class Volumes:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self._stopping = False
                 task_status.started()
-                await trio.sleep_forever()
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    # From here on the nursery only winds down: no new mount may start in it.
+                    self._stopping = True
         finally:
             self._nursery = None
 
@@ -366,15 +376,10 @@ class Volumes:
             rc_password=secrets.token_urlsafe(32),
             secrets=spec_secrets(spec),
         )
-        try:
-            await nursery.start(self._supervise, mount)
-        except RuntimeError as exc:
-            if "closed" not in str(exc):
-                raise
-            raise VolumeError(
-                ErrorCode.UNAVAILABLE, "volumes are shutting down; no new mounts"
-            ) from None
-        log.info("mounted %s at %s", mount.label(), mount.host_path)
+        if self._stopping:
+            raise VolumeError(ErrorCode.UNAVAILABLE, "volumes are shutting down; no new mounts")
+        await nursery.start(self._supervise, mount)
+        log.info("mounted %s at %s", mount.label(), mount.host_path, extra=mount.log_fields())
         return mount
 
     async def _supervise(
@@ -467,7 +472,7 @@ class Volumes:
             staging=staging,
             log_path=log_path,
             client=httpx.AsyncClient(
-                auth=httpx.BasicAuth(_RC_USER, mount.rc_password),
+                auth=httpx.BasicAuth(RC_USER, mount.rc_password),
                 trust_env=False,
                 timeout=httpx.Timeout(60.0, connect=5.0),
             ),
@@ -493,7 +498,7 @@ class Volumes:
                         f"rclone could not mount {mount.url}: {generation.describe_exit()}",
                     )
                 if generation.rc_ready.is_set() and is_mounted(
-                    _read_mountinfo(), generation.staging
+                    read_mountinfo(), generation.staging
                 ):
                     break
                 await trio.sleep(0.01)
@@ -523,7 +528,7 @@ class Volumes:
         its S3 client: the mount keeps rclone's ten low-level retries (a blip in the store must
         not fail a container's read), while the probe gives up after two, so an unreachable
         endpoint is reported in a moment, not after a minute and a half of backoff."""
-        remote = f"{rclone_remote(mount.spec)}/{_probe_name()}"
+        remote = f"{rclone_remote(mount.spec)}/{probe_name()}"
         argv = rclone_probe_argv(self._rclone, remote, options=self._options, ca_file=self._ca_file)
         env = rclone_environment(mount.spec, rc_password=None, home=str(mount.cache_dir))
         with trio.move_on_after(self._options.probe_timeout_s):
@@ -612,7 +617,7 @@ class Volumes:
                     idle_s = options.log_poll_min_s
                     pending += chunk
                     *lines, pending = pending.split(b"\n")
-                    if len(pending) > _MAX_LINE_BYTES:
+                    if len(pending) > MAX_LINE_BYTES:
                         pending = b""
                     for line in lines:
                         self._handle_line(mount, generation, line)
@@ -625,7 +630,12 @@ class Volumes:
                 await trio.sleep(idle_s)
                 idle_s = min(idle_s * 2, options.log_poll_max_s)
         except OSError as exc:
-            log.warning("reading rclone's log for %s: %s", mount.label(), exc.strerror)
+            log.warning(
+                "reading rclone's log for %s: %s",
+                mount.label(),
+                exc.strerror,
+                extra=mount.log_fields(),
+            )
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -634,7 +644,7 @@ class Volumes:
                 mount.wake.set()
 
     def _handle_line(self, mount: _Mount, generation: _Generation, raw: bytes) -> None:
-        parsed = parse_rclone_line(raw[:_MAX_LINE_BYTES])
+        parsed = parse_rclone_line(raw[:MAX_LINE_BYTES])
         if isinstance(parsed, RcServing):
             if generation.rc_port is None:
                 generation.rc_port = parsed.port
@@ -645,7 +655,7 @@ class Volumes:
             mount.failed_uploads[name] = reason
             if first:
                 message = f"upload of {name!r} to {mount.url} failed: {reason}; retrying"
-                log.warning("%s (workspace %s)", message, mount.spec.workspace)
+                log.warning("%s", message, extra=mount.log_fields())
                 self._emit(mount, message)
         elif isinstance(parsed, UploadSucceeded):
             name = mount.scrub(parsed.name)
@@ -677,7 +687,9 @@ class Volumes:
             if generation is None or not generation.exited.is_set():
                 continue
             why = generation.describe_exit()
-            log.warning("mount of %s stopped: %s; remounting", mount.label(), why)
+            log.warning(
+                "mount of %s stopped: %s; remounting", mount.label(), why, extra=mount.log_fields()
+            )
             self._emit(mount, f"the mount of {mount.url} stopped ({why}); remounting")
             record_disconnect(self._options.remount_backoff, state, trio.current_time())
             while True:
@@ -691,12 +703,16 @@ class Volumes:
                 except (VolumeError, OSError) as exc:
                     record_failure(state)
                     why = exc.message if isinstance(exc, VolumeError) else str(exc.strerror)
-                    log.warning("remounting %s failed: %s", mount.label(), why)
+                    log.warning(
+                        "remounting %s failed: %s", mount.label(), why, extra=mount.log_fields()
+                    )
                     self._emit(mount, f"remounting {mount.url} failed: {why}; retrying")
                     continue
                 record_connected(state, trio.current_time())
                 mount.remounts += 1
-                log.info("remounted %s at %s", mount.label(), mount.host_path)
+                log.info(
+                    "remounted %s at %s", mount.label(), mount.host_path, extra=mount.log_fields()
+                )
                 self._emit(
                     mount,
                     f"the mount of {mount.url} is back; files that were open when it stopped "
@@ -753,7 +769,7 @@ class Volumes:
     async def _fuse_barrier(self, mount: _Mount) -> None:
         """One FUSE round trip: rclone reads requests in order, so once this is answered it
         has taken every file release the kernel queued before (a release queues the upload)."""
-        probe = mount.host_path / f"{_BARRIER_PREFIX}{secrets.token_hex(6)}"
+        probe = mount.host_path / f"{BARRIER_PREFIX}{secrets.token_hex(6)}"
         with trio.move_on_after(5):
             try:
                 await trio.to_thread.run_sync(os.stat, probe, abandon_on_cancel=True)
@@ -786,7 +802,7 @@ class Volumes:
         if generation is not None:
             await self._stop_generation(mount, generation)
         await trio.to_thread.run_sync(self._remove_directories, mount)
-        log.info("unmounted %s", mount.label())
+        log.info("unmounted %s", mount.label(), extra=mount.log_fields())
 
     def _unmount_directories(self, mount: _Mount) -> None:
         try:
@@ -803,7 +819,7 @@ class Volumes:
         generation.stopped = True
         process = generation.process
         try:
-            if is_mounted(await trio.to_thread.run_sync(_read_mountinfo), generation.staging):
+            if is_mounted(await trio.to_thread.run_sync(read_mountinfo), generation.staging):
                 await trio.to_thread.run_sync(self._kernel.unmount_all, generation.staging)
             with trio.move_on_after(self._options.stop_grace_s):
                 await process.wait()
@@ -826,7 +842,7 @@ class Volumes:
     # -- sweep ------------------------------------------------------------------------------
 
     def _sweep_sync(self, keep: list[Path], keep_pids: set[int]) -> list[Path]:
-        targets = sweep_targets(_read_mountinfo(), self._root, keep)
+        targets = sweep_targets(read_mountinfo(), self._root, keep)
         unmounted: list[Path] = []
         for path in targets:
             try:
@@ -855,6 +871,7 @@ class Volumes:
                 "sweep: unmounted %d leftover mount(s), stopped %d rclone process(es)",
                 len(unmounted),
                 killed,
+                extra={"unmounted": len(unmounted), "rclone_killed": killed},
             )
         return unmounted
 

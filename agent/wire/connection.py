@@ -60,6 +60,14 @@ class ConnectionLost(StreamError):
     """The HTTP/2 connection under the stream is gone."""
 
 
+class BodyTooLarge(StreamError):
+    """A body went past the limit its reader set; the stream was reset (CANCEL)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"body larger than {limit_bytes} bytes")
+        self.limit_bytes = limit_bytes
+
+
 class StreamRefused(ConnectionLost):
     """The peer never processed the stream (GOAWAY or REFUSED_STREAM); it is safe to retry."""
 
@@ -208,7 +216,7 @@ class H2Stream:
             size += len(chunk)
             if size > limit_bytes:
                 await self.reset(h2.errors.ErrorCodes.CANCEL)
-                raise StreamError(f"body larger than {limit_bytes} bytes")
+                raise BodyTooLarge(limit_bytes)
             parts.append(chunk)
         return b"".join(parts)
 
@@ -564,7 +572,11 @@ class Http2Connection:
             pass
         except Exception:
             # One failing handler costs its own stream (reset below), never the connection.
-            log.exception("handler failed on stream %d", stream.stream_id)
+            log.exception(
+                "handler failed on stream %d",
+                stream.stream_id,
+                extra={"connection": self.name, "stream": stream.stream_id},
+            )
         finally:
             # The handler is done with the stream. A response it did not finish is an
             # internal error; a request body it did not read is refused (NO_ERROR, RFC 9113

@@ -24,19 +24,43 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key, value in vars(record).items():
-            if key not in _STANDARD and not key.startswith("_"):
-                entry[key] = value if isinstance(value, int | float | str | bool) else str(value)
+        for key, value in fields_of(record).items():
+            entry[key] = value if isinstance(value, int | float | str | bool) else str(value)
         if record.exc_info:
             entry["error"] = self.formatException(record.exc_info)
         return json.dumps(entry, separators=(",", ":"))
 
 
+def fields_of(record: logging.LogRecord) -> dict[str, object]:
+    """The structured fields a call passed with `extra=` (pool, node, worker, task, ...)."""
+    return {
+        key: value
+        for key, value in vars(record).items()
+        if key not in _STANDARD and not key.startswith("_")
+    }
+
+
+class TextFormatter(logging.Formatter):
+    """A line for a person at a terminal: the message, then the fields as key=value."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.converter = time.gmtime
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = fields_of(record)
+        if not fields:
+            return line
+        head, sep, tail = line.partition("\n")
+        shown = " ".join(f"{key}={value}" for key, value in fields.items())
+        return f"{head}  {shown}{sep}{tail}"
+
+
 def setup_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if sys.stderr.isatty():
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logging.Formatter.converter = time.gmtime
+        handler.setFormatter(TextFormatter())
     else:
         handler.setFormatter(JsonFormatter())
     root = logging.getLogger()

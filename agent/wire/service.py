@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from agent.wire.connection import H2ByteStream, H2Stream, Headers, StreamError
+from agent.wire.connection import BodyTooLarge, H2ByteStream, H2Stream, Headers, StreamError
 from agent.wire.errors import ApiError, ErrorCode, dumps, loads
 from agent.wire.h2websocket import H2WebSocket
 
@@ -50,12 +50,10 @@ class Request:
     async def body(self, limit_bytes: int = MAX_JSON_BODY_BYTES) -> bytes:
         try:
             return await self.stream.read_all(limit_bytes)
-        except StreamError as exc:
-            if "larger than" in str(exc):
-                raise ApiError(
-                    ErrorCode.INVALID_ARGUMENT, f"request body is larger than {limit_bytes} bytes"
-                ) from None
-            raise
+        except BodyTooLarge:
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT, f"request body is larger than {limit_bytes} bytes"
+            ) from None
 
     async def json(self, cls: type[T]) -> T:
         return loads(await self.body(), cls)
@@ -291,7 +289,13 @@ class Service:
         except StreamError:
             status = 499
         except Exception:
-            log.exception("%s: handler failed for %s %s", self.name, method, path)
+            log.exception(
+                "%s: handler failed for %s %s",
+                self.name,
+                method,
+                path,
+                extra={"api": self.name, "method": method, "path": path},
+            )
             status = 500
             await self._send_error(
                 stream, ApiError(ErrorCode.INTERNAL, "the worker failed to handle the request")
@@ -304,8 +308,10 @@ class Service:
                 status,
                 extra={
                     "api": self.name,
+                    "method": method,
+                    "path": path or headers.get(":authority", ""),
                     "status": status,
-                    "duration_ms": round((time.monotonic() - started) * 1000, 2),
+                    "duration_s": round(time.monotonic() - started, 4),
                 },
             )
 

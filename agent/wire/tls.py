@@ -37,11 +37,12 @@ import operator
 import os
 import ssl
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Literal, cast, overload
 
 import attrs
 import trio
+
+from agent.wire.conflict import ConflictDetector
 
 __all__ = [
     "CLOSE_NOTIFY_TIMEOUT_S",
@@ -94,29 +95,6 @@ class _State(enum.Enum):
     OK = enum.auto()
     BROKEN = enum.auto()
     CLOSED = enum.auto()
-
-
-class _ConflictDetector:
-    """Raises `trio.BusyResourceError` when two tasks use the same half of a stream at once."""
-
-    __slots__ = ("_held", "_message")
-
-    def __init__(self, message: str) -> None:
-        self._message = message
-        self._held = False
-
-    def __enter__(self) -> None:
-        if self._held:
-            raise trio.BusyResourceError(self._message)
-        self._held = True
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._held = False
 
 
 def normalize_fingerprint(fingerprint: str) -> str:
@@ -180,10 +158,8 @@ class TLSStream(trio.abc.Stream):
         self._eof = False
         self._handshake_lock = trio.Lock()
         self._send_lock = trio.StrictFIFOLock()
-        self._send_conflict = _ConflictDetector(
-            "another task is already sending on this TLS stream"
-        )
-        self._receive_conflict = _ConflictDetector(
+        self._send_conflict = ConflictDetector("another task is already sending on this TLS stream")
+        self._receive_conflict = ConflictDetector(
             "another task is already receiving on this TLS stream"
         )
 

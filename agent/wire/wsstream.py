@@ -14,11 +14,12 @@ tunnel that carries container images.
 from __future__ import annotations
 
 import operator
-from types import TracebackType
 from typing import cast
 
 import trio
 import trio_websocket
+
+from agent.wire.conflict import ConflictDetector
 
 __all__ = [
     "WS_MAX_MESSAGE_BYTES",
@@ -44,29 +45,6 @@ WS_MESSAGE_QUEUE_SIZE = 4
 
 _NORMAL_CLOSE_CODES = frozenset({1000, 1001})
 _UNSUPPORTED_DATA = 1003
-
-
-class _ConflictDetector:
-    """Raises `trio.BusyResourceError` when two tasks use the same half of a stream at once."""
-
-    __slots__ = ("_held", "_message")
-
-    def __init__(self, message: str) -> None:
-        self._message = message
-        self._held = False
-
-    def __enter__(self) -> None:
-        if self._held:
-            raise trio.BusyResourceError(self._message)
-        self._held = True
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._held = False
 
 
 def _describe(reason: trio_websocket.CloseReason | None) -> str:
@@ -103,10 +81,10 @@ class WebSocketStream(trio.abc.Stream):
         self._offset = 0
         self._closed = False
         self._broken: str | None = None
-        self._send_conflict = _ConflictDetector(
+        self._send_conflict = ConflictDetector(
             "another task is already sending on this WebSocket stream"
         )
-        self._receive_conflict = _ConflictDetector(
+        self._receive_conflict = ConflictDetector(
             "another task is already receiving on this WebSocket stream"
         )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from agent.api.reference import _ANY_DIGEST_RE, _DIGEST_RE, ImageError
+from agent.api.reference import ANY_DIGEST_RE, DIGEST_RE, ImageError
 from agent.wire.errors import ErrorCode
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -43,7 +43,7 @@ MANIFEST_ACCEPT = ", ".join((OCI_INDEX, OCI_MANIFEST, DOCKER_MANIFEST_LIST, DOCK
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 8 << 20
 # An index may point at another index; real images nest at most once.
-_MAX_INDEX_DEPTH = 3
+MAX_INDEX_DEPTH = 3
 _ARCHITECTURES = {
     "x86_64": ("amd64", None),
     "amd64": ("amd64", None),
@@ -118,7 +118,7 @@ class ImageManifest:
     layers: tuple[Descriptor, ...]
 
 
-def _bad_manifest(what: str, problem: str) -> ImageError:
+def bad_manifest(what: str, problem: str) -> ImageError:
     return ImageError(
         ErrorCode.FAILED_PRECONDITION,
         f"the manifest of {what} is not usable: {problem}; check that it is a container image",
@@ -128,22 +128,22 @@ def _bad_manifest(what: str, problem: str) -> ImageError:
 
 def _descriptor(data: Any, what: str, where: str) -> Descriptor:
     if not isinstance(data, dict):
-        raise _bad_manifest(what, f"{where} is not an object")
+        raise bad_manifest(what, f"{where} is not an object")
     media_type = data.get("mediaType")
     digest = data.get("digest")
     size = data.get("size")
     if not isinstance(media_type, str):
-        raise _bad_manifest(what, f"{where} has no mediaType")
-    if not isinstance(digest, str) or not _ANY_DIGEST_RE.fullmatch(digest):
-        raise _bad_manifest(what, f"{where} has no valid digest")
-    if not _DIGEST_RE.fullmatch(digest):
+        raise bad_manifest(what, f"{where} has no mediaType")
+    if not isinstance(digest, str) or not ANY_DIGEST_RE.fullmatch(digest):
+        raise bad_manifest(what, f"{where} has no valid digest")
+    if not DIGEST_RE.fullmatch(digest):
         raise ImageError(
             ErrorCode.UNIMPLEMENTED,
             f"{what}: {where} uses digest {digest!r}; only sha256 digests are supported",
             field="image",
         )
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise _bad_manifest(what, f"{where} has no valid size")
+        raise bad_manifest(what, f"{where} has no valid size")
     platform = None
     raw = data.get("platform")
     if isinstance(raw, dict):
@@ -165,9 +165,9 @@ def parse_manifest(
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        raise _bad_manifest(what, "it is not JSON") from None
+        raise bad_manifest(what, "it is not JSON") from None
     if not isinstance(data, dict):
-        raise _bad_manifest(what, "it is not a JSON object")
+        raise bad_manifest(what, "it is not a JSON object")
     media_type = data.get("mediaType")
     if not isinstance(media_type, str) or not media_type:
         media_type = (content_type or "").partition(";")[0].strip()
@@ -179,37 +179,37 @@ def parse_manifest(
             field="image",
         )
     if data.get("schemaVersion") != 2:
-        raise _bad_manifest(what, "schemaVersion is not 2")
+        raise bad_manifest(what, "schemaVersion is not 2")
     if media_type in INDEX_MEDIA_TYPES or (
         media_type not in MANIFEST_MEDIA_TYPES and "manifests" in data
     ):
         manifests = data.get("manifests")
         if not isinstance(manifests, list):
-            raise _bad_manifest(what, "the index has no manifests list")
+            raise bad_manifest(what, "the index has no manifests list")
         return ImageIndex(
             tuple(_descriptor(m, what, f"manifests[{i}]") for i, m in enumerate(manifests))
         )
     if media_type in MANIFEST_MEDIA_TYPES or "layers" in data:
         layers = data.get("layers")
         if not isinstance(layers, list):
-            raise _bad_manifest(what, "it has no layers list")
+            raise bad_manifest(what, "it has no layers list")
         return ImageManifest(
             config=_descriptor(data.get("config"), what, "config"),
             layers=tuple(
                 _descriptor(layer, what, f"layers[{i}]") for i, layer in enumerate(layers)
             ),
         )
-    raise _bad_manifest(what, f"media type {media_type or 'unknown'!r} is not an image manifest")
+    raise bad_manifest(what, f"media type {media_type or 'unknown'!r} is not an image manifest")
 
 
 def check_image_manifest(manifest: ImageManifest, *, what: str) -> tuple[Layer, ...]:
     """The manifest's layers, refusing what we cannot unpack before anything is fetched."""
     if manifest.config.media_type not in CONFIG_MEDIA_TYPES:
-        raise _bad_manifest(
+        raise bad_manifest(
             what, f"its config has media type {manifest.config.media_type!r}, not an image config"
         )
     if manifest.config.size > MAX_CONFIG_BYTES:
-        raise _bad_manifest(what, f"its config is larger than {MAX_CONFIG_BYTES} bytes")
+        raise bad_manifest(what, f"its config is larger than {MAX_CONFIG_BYTES} bytes")
     layers = []
     for index, descriptor in enumerate(manifest.layers):
         media_type = descriptor.media_type
@@ -268,16 +268,16 @@ def parse_image_config(body: bytes, *, what: str) -> tuple[ImageConfig, tuple[st
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        raise _bad_manifest(what, "its config is not JSON") from None
+        raise bad_manifest(what, "its config is not JSON") from None
     if not isinstance(data, dict):
-        raise _bad_manifest(what, "its config is not a JSON object")
+        raise bad_manifest(what, "its config is not a JSON object")
     config = data.get("config") or {}
     if not isinstance(config, dict):
-        raise _bad_manifest(what, "its config's 'config' is not an object")
+        raise bad_manifest(what, "its config's 'config' is not an object")
     rootfs = data.get("rootfs")
     diff_ids = _strings(rootfs.get("diff_ids")) if isinstance(rootfs, dict) else ()
-    if not all(_DIGEST_RE.fullmatch(d) for d in diff_ids):
-        raise _bad_manifest(what, "its config has a diff_id that is not a sha256 digest")
+    if not all(DIGEST_RE.fullmatch(d) for d in diff_ids):
+        raise bad_manifest(what, "its config has a diff_id that is not a sha256 digest")
     ports = config.get("ExposedPorts")
     working_dir = config.get("WorkingDir")
     user = config.get("User")

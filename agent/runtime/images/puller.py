@@ -42,7 +42,7 @@ import trio
 
 from agent.api.digests import DigestMismatch
 from agent.api.reference import (
-    _DIGEST_RE,
+    DIGEST_RE,
     PULL_POLICIES,
     ImageError,
     ImageReference,
@@ -51,15 +51,15 @@ from agent.api.reference import (
     registry_scheme,
 )
 from agent.runtime.images.manifests import (
-    _MAX_INDEX_DEPTH,
     MANIFEST_ACCEPT,
+    MAX_INDEX_DEPTH,
     MAX_MANIFEST_BYTES,
     Descriptor,
     ImageConfig,
     ImageManifest,
     Layer,
     Platform,
-    _bad_manifest,
+    bad_manifest,
     check_image_manifest,
     choose_manifest,
     parse_image_config,
@@ -245,7 +245,7 @@ class TagIndex:
         tags = data.get("tags") if isinstance(data, dict) else None
         if not isinstance(tags, dict):
             return {}
-        return {k: v for k, v in tags.items() if isinstance(v, str) and _DIGEST_RE.fullmatch(v)}
+        return {k: v for k, v in tags.items() if isinstance(v, str) and DIGEST_RE.fullmatch(v)}
 
     def _write(self, tags: dict[str, str]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -480,7 +480,7 @@ class ImagePuller:
 
         index_digest: str | None = None
         manifest_digest, manifest_body = top, body
-        for _ in range(_MAX_INDEX_DEPTH):
+        for _ in range(MAX_INDEX_DEPTH):
             parsed = parse_manifest(manifest_body, None, what=what)
             if isinstance(parsed, ImageManifest):
                 break
@@ -493,7 +493,7 @@ class ImagePuller:
                 _, local = await self._fetch_manifest(session, manifest_digest, what)
             manifest_body = local
         else:
-            raise _bad_manifest(what, f"its indexes nest deeper than {_MAX_INDEX_DEPTH}")
+            raise bad_manifest(what, f"its indexes nest deeper than {MAX_INDEX_DEPTH}")
         layers = check_image_manifest(parsed, what=what)
 
         config_descriptor = parsed.config
@@ -520,7 +520,7 @@ class ImagePuller:
                 )
         config, diff_ids = parse_image_config(config_body, what=what)
         if len(diff_ids) != len(layers):
-            raise _bad_manifest(
+            raise bad_manifest(
                 what, f"its config lists {len(diff_ids)} diff_ids for {len(layers)} layers"
             )
         if ref.tag is not None and ref.digest is None and not cached:
@@ -590,7 +590,7 @@ class ImagePuller:
         digest = _digest_of(body)
         expected = reference if reference.startswith("sha256:") else None
         advertised = response.headers.get("docker-content-digest")
-        if advertised and _DIGEST_RE.fullmatch(advertised) and expected is None:
+        if advertised and DIGEST_RE.fullmatch(advertised) and expected is None:
             expected = advertised
         if expected is not None and digest != expected:
             raise ImageError(

@@ -1,0 +1,62 @@
+"""`python -m sim ...`: the simulated installation, for a person to use on its own.
+
+- `python -m sim demo` runs the demo (`make demo`): a stand-in cluster with two GPU nodes, the
+  controlplane's workers on them in direct and tunnel mode, GPU tasks and an endpoint.
+- `python -m sim cluster [--nodes N] [--pods-per-node M] [--dir DIR]` serves the Kubernetes
+  API stand-in with N eight-card GPU nodes over TLS on loopback, writes a kubeconfig and
+  serves until Ctrl-C, for a `kubectl` session or a controlplane of your own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from sim.kubeapi.http import start_kube_standin
+    from sim.kubeapi.store import synthetic_cluster
+
+    with tempfile.TemporaryDirectory(prefix="levers9-sim-") as scratch:
+        directory = args.dir or Path(scratch)
+        directory.mkdir(parents=True, exist_ok=True)
+        running = start_kube_standin(directory)
+        try:
+            synthetic_cluster(running.kube, args.nodes, args.pods_per_node)
+            kubeconfig = running.kube.write_kubeconfig(directory / "kubeconfig")
+            print(f"Kubernetes API stand-in at {running.kube.url} with {args.nodes} GPU nodes")
+            print(f"  export KUBECONFIG={kubeconfig}")
+            print("  kubectl get nodes   # Ctrl-C stops it", flush=True)
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                pass
+        finally:
+            running.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("demo", help="run the demo end to end (what `make demo` runs)")
+    cluster = commands.add_parser("cluster", help="serve the Kubernetes API stand-in")
+    cluster.add_argument("--nodes", type=int, default=2, help="GPU nodes (8 cards each)")
+    cluster.add_argument("--pods-per-node", type=int, default=0, help="neighbour pods per node")
+    cluster.add_argument("--dir", type=Path, help="where to keep the kubeconfig and certificates")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from sim.demo import main as demo
+
+        return demo()
+    if args.nodes < 0 or args.pods_per_node < 0:
+        parser.error("--nodes and --pods-per-node must be 0 or more")
+    return _cluster(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""A Kubernetes API server stand-in: real REST shapes over TLS, objects kept as plain dicts.
+
+No kube-apiserver can be installed here, yet the controlplane's Kubernetes adapter must be
+tested against something that the official `kubernetes` client and `kubectl` both accept. This
+module serves core/v1 nodes, pods (with their `log` subresource), secrets, namespaces and
+serviceaccounts, batch/v1 jobs and rbac.authorization.k8s.io/v1 roles, clusterroles and their
+bindings with the apiserver's paths, List and Status shapes, discovery documents, label and field
+selectors, `limit`/`continue` paging, bearer-token authentication and owner-reference cascading
+on delete.
+
+ServiceAccounts are modelled as far as `levers9 cluster join` needs them: the token controller
+fills a `kubernetes.io/service-account-token` Secret with a token, the CA and the namespace; a
+request bearing that token is `system:serviceaccount:<ns>:<sa>` and is authorized by RBAC
+(Roles, ClusterRoles and their bindings, wildcards and resourceNames as the real authorizer
+reads them), with the apiserver's 403 wording; `kubectl auth can-i` and `kubectl auth whoami`
+get their review answers. The admin token and `add_token` tokens bypass RBAC, as before.
+
+Design choices:
+- It is a `http.server.ThreadingHTTPServer` on its own threads, so the same object serves trio
+  tests (the official client is blocking and runs in `trio.to_thread`), kubectl subprocesses and
+  a benchmark process alike; `python -m sim.kubeapi` serves a synthetic cluster from a
+  process of its own.
+- Stored objects are never mutated: every change stores a new dict together with its JSON bytes,
+  so a list of 100,000 pods is one `b",".join` and handlers serialise nothing under the lock.
+- Tests arrange state through the Python API (`add_node`, `add_pod`, `set_pod_phase`, ...) rather
+  than through status subresources; faults (429, 500, delays) and a "kubelet" callback run when a
+  Job is created are armed the same way.
+- Only what the controlplane needs is modelled: no watch, no admission, no scheduler, no RBAC
+  escalation checks or bootstrap roles, and the garbage collector and the token controller run
+  synchronously inside the request that triggers them.
+"""

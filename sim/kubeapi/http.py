@@ -1,0 +1,444 @@
+"""The stand-in's HTTPS server: discovery documents, routing of REST paths to the store,
+watch and list responses, and `python -m sim.kubeapi` for a benchmark or a kubectl session.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import attrs
+import trustme
+
+from sim.kubeapi.model import (
+    ACCESS_REVIEW,
+    BY_PATH,
+    KUBE_VERSION,
+    RBAC,
+    RESOURCES,
+    SUBJECT_REVIEW,
+    VERBS,
+    KubeError,
+    Obj,
+    Resource,
+    Route,
+    bad_request,
+    json_body,
+    not_found,
+)
+from sim.kubeapi.rbac import subject_review
+from sim.kubeapi.store import KubeStandin, RequestRecord, synthetic_cluster, synthetic_workers
+from sim.kubeapi.tables import table_of
+
+log = logging.getLogger(__name__)
+_GROUPS = ("batch", RBAC, "authorization.k8s.io", "authentication.k8s.io")
+"""The API groups served besides core, all at version v1, in discovery's order."""
+_REVIEWS = {
+    "authorization.k8s.io": ("selfsubjectaccessreviews", "SelfSubjectAccessReview"),
+    "authentication.k8s.io": ("selfsubjectreviews", "SelfSubjectReview"),
+}
+"""Create-only kinds that are answered, never stored."""
+_SUBRESOURCES = {
+    "pods": (("status", ["get", "patch", "update"]), ("log", ["get"])),
+    "jobs": (("status", ["get", "patch", "update"]),),
+    "nodes": (("status", ["get", "patch", "update"]),),
+    "namespaces": (("status", ["get", "patch", "update"]),),
+}
+
+
+def _group_doc(group: str) -> Obj:
+    version = {"groupVersion": f"{group}/v1", "version": "v1"}
+    return {"name": group, "versions": [version], "preferredVersion": version}
+
+
+def _resource_list(group: str) -> Obj:
+    resources: list[Obj] = []
+    for res in RESOURCES:
+        if res.group != group:
+            continue
+        resources.append(
+            {
+                "name": res.plural,
+                "singularName": res.singular,
+                "namespaced": res.namespaced,
+                "kind": res.kind,
+                "verbs": VERBS,
+                "shortNames": list(res.short_names),
+            }
+        )
+        for sub, verbs in _SUBRESOURCES.get(res.plural, ()):
+            resources.append(
+                {
+                    "name": f"{res.plural}/{sub}",
+                    "singularName": "",
+                    "namespaced": res.namespaced,
+                    "kind": res.kind,
+                    "verbs": verbs,
+                }
+            )
+    if group in _REVIEWS:
+        plural, kind = _REVIEWS[group]
+        resources.append(
+            {
+                "name": plural,
+                "singularName": plural.removesuffix("s"),
+                "namespaced": False,
+                "kind": kind,
+                "verbs": ["create"],
+            }
+        )
+    return {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": f"{group}/v1" if group else "v1",
+        "resources": resources,
+    }
+
+
+def _discovery(path: str) -> Obj | None:
+    if path == "/version":
+        return KUBE_VERSION
+    if path == "/api":
+        return {
+            "kind": "APIVersions",
+            "versions": ["v1"],
+            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": ""}],
+        }
+    if path == "/apis":
+        return {
+            "kind": "APIGroupList",
+            "apiVersion": "v1",
+            "groups": [_group_doc(group) for group in _GROUPS],
+        }
+    if path == "/api/v1":
+        return _resource_list("")
+    for group in _GROUPS:
+        if path == f"/apis/{group}":
+            return {"kind": "APIGroup", "apiVersion": "v1", **_group_doc(group)}
+        if path == f"/apis/{group}/v1":
+            return _resource_list(group)
+    return None
+
+
+def _route(path: str) -> Route | None:
+    parts = [p for p in path.split("/") if p]
+    if parts[:2] == ["api", "v1"]:
+        group, rest = "", parts[2:]
+    elif len(parts) >= 3 and parts[0] == "apis" and parts[1] in _GROUPS and parts[2] == "v1":
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    ns = ""
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        ns, rest = rest[1], rest[2:]
+    if not rest or len(rest) > 3:
+        return None
+    res = BY_PATH.get((group, "v1", rest[0]))
+    if res is None or (ns and not res.namespaced):
+        return None
+    name = rest[1] if len(rest) > 1 else ""
+    sub = rest[2] if len(rest) > 2 else ""
+    if sub not in ("", "status") and (res.plural, sub) != ("pods", "log"):
+        return None
+    return Route(res, ns, name, sub)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
+    timeout = 60
+
+    def setup(self) -> None:
+        super().setup()
+        # The handshake runs here, on the connection's thread, so a slow client cannot stall
+        # the accept loop.
+        conn = self.connection
+        if isinstance(conn, ssl.SSLSocket):
+            conn.do_handshake()
+        with self.server.conn_lock:
+            self.server.conns.add(conn)
+
+    def finish(self) -> None:
+        with self.server.conn_lock:
+            self.server.conns.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("kube stand-in: " + format, *args)
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    def _serve(self, method: str) -> None:
+        kube = self.server.kube
+        url = urlsplit(self.path)
+        path = url.path.rstrip("/") or "/"
+        query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        route = _route(path)
+        verb = _verb(method, route, query)
+        status = 500
+        content_type = "application/json"
+        try:
+            if path in (ACCESS_REVIEW, SUBJECT_REVIEW) and method == "POST":
+                # Every authenticated user may ask what it may do and who it is.
+                user, denied = kube._authenticate(self.headers.get("Authorization"))
+            else:
+                user, denied = kube._authorize(
+                    self.headers.get("Authorization"),
+                    verb,
+                    route.res if route else None,
+                    route.namespace if route else "",
+                    route.name if route else "",
+                    route.sub if route else "",
+                )
+            fault = kube._take_fault(verb, path)
+            if fault is not None and fault.kind == "429":
+                raise KubeError(
+                    429,
+                    "TooManyRequests",
+                    "Too many requests, please try again later.",
+                    {"retryAfterSeconds": fault.retry_after_s},
+                    {"Retry-After": str(fault.retry_after_s)},
+                )
+            if fault is not None and fault.kind == "500":
+                raise KubeError(
+                    500,
+                    "InternalError",
+                    "Internal error occurred: injected fault",
+                    {"causes": [{"message": "injected fault"}]},
+                )
+            if fault is not None:
+                time.sleep(fault.delay_s)
+            if route is None and method == "POST" and path == ACCESS_REVIEW:
+                review = kube._access_review(user, denied, body)
+                status, payload = 201, json.dumps(review).encode()
+            elif route is None and method == "POST" and path == SUBJECT_REVIEW:
+                status, payload = 201, json.dumps(subject_review(user)).encode()
+            elif route is not None and route.sub == "log":
+                status, payload = 200, kube._pod_log(method, route)
+                content_type = "text/plain"
+            else:
+                status, payload = self._answer(kube, method, path, route, query, body)
+        except KubeError as err:
+            status = err.code
+            self._send(status, json.dumps(err.status()).encode(), err.headers)
+        except Exception:
+            log.exception("kube stand-in failed on %s %s", method, path)
+            status = 500
+            bug = KubeError(500, "InternalError", "Internal error occurred: stand-in bug")
+            self._send(status, json.dumps(bug.status()).encode())
+        else:
+            self._send(status, payload, content_type=content_type)
+        with kube._lock:
+            kube.requests.append(RequestRecord(method, verb, path, url.query, status))
+
+    def _answer(
+        self,
+        kube: KubeStandin,
+        method: str,
+        path: str,
+        route: Route | None,
+        query: Mapping[str, str],
+        body: bytes,
+    ) -> tuple[int, bytes]:
+        if route is None:
+            doc = _discovery(path) if method == "GET" else None
+            if doc is None:
+                raise KubeError(404, "NotFound", "the server could not find the requested resource")
+            return 200, json.dumps(doc).encode()
+        res, ns, name, sub = route.res, route.namespace, route.name, route.sub
+        # kubectl asks for server-side printing; without it, it would show NAME and AGE only.
+        as_table = "as=Table" in (self.headers.get("Accept") or "") and not sub
+        if method == "GET" and not name:
+            if query.get("watch") in ("true", "1"):
+                raise KubeError(405, "MethodNotAllowed", "the stand-in does not serve watch")
+            return 200, kube._list(res, ns, query, as_table)
+        if method == "GET":
+            stored = kube._store[res.plural].get((ns, name))
+            if stored is None:
+                raise not_found(res, name)
+            if as_table:
+                meta = {"resourceVersion": stored.obj["metadata"]["resourceVersion"]}
+                return 200, json.dumps(table_of(res, [stored.obj], meta)).encode()
+            return 200, stored.raw
+        if method == "DELETE" and name:
+            policy = _delete_policy(res, query, body)
+            deleted = kube._delete(res, ns, name, policy)
+            done = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Success",
+                "details": {
+                    "name": name,
+                    "kind": res.plural,
+                    "uid": deleted["metadata"]["uid"],
+                }
+                | ({"group": res.group} if res.group else {}),
+            }
+            return 200, json.dumps(done).encode()
+        obj = json_body(body)
+        if method == "POST" and not name:
+            if res.namespaced and not ns:
+                raise KubeError(405, "MethodNotAllowed", "create needs a namespace in the path")
+            return 201, json.dumps(kube._create(res, ns, obj)).encode()
+        if method == "PUT" and name:
+            return 200, json.dumps(kube._replace(res, ns, name, obj, sub)).encode()
+        if method == "PATCH" and name:
+            return 200, json.dumps(kube._patch(res, ns, name, obj, sub)).encode()
+        raise KubeError(405, "MethodNotAllowed", f"{method} is not supported on {path}")
+
+    def _send(
+        self,
+        status: int,
+        payload: bytes,
+        headers: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> None:
+        self.send_response(status, HTTPStatus(status).phrase)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.send_header("Cache-Control", "no-cache, private")
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+def _verb(method: str, route: Route | None, query: Mapping[str, str]) -> str:
+    if method == "GET":
+        if route is not None and not route.name:
+            return "watch" if query.get("watch") in ("true", "1") else "list"
+        return "get"
+    if method == "DELETE" and route is not None and not route.name:
+        return "deletecollection"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
+        method, method.lower()
+    )
+
+
+def _delete_policy(res: Resource, query: Mapping[str, str], body: bytes) -> str:
+    options = json_body(body) if body else {}
+    policy = query.get("propagationPolicy") or options.get("propagationPolicy")
+    if policy is None and (query.get("orphanDependents") or options.get("orphanDependents")):
+        policy = "Orphan"
+    if policy is None:
+        # batch/v1 Jobs still default to orphaning their pods when deleted through the API.
+        policy = "Orphan" if res.plural == "jobs" else "Background"
+    if policy not in ("Orphan", "Background", "Foreground"):
+        raise bad_request(f"propagationPolicy {policy!r} is not Orphan, Background or Foreground")
+    return str(policy)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    kube: KubeStandin
+    conns: set[socket.socket]
+    conn_lock: threading.Lock
+
+
+@attrs.define
+class RunningKubeStandin:
+    """A started server; `stop()` closes the listener and every open connection."""
+
+    kube: KubeStandin
+    _httpd: _HTTPServer
+    _thread: threading.Thread
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        with self._httpd.conn_lock:
+            conns = list(self._httpd.conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join()
+
+
+def start_kube_standin(directory: Path, token: str | None = None) -> RunningKubeStandin:
+    """Serves a fresh stand-in over TLS on 127.0.0.1, port chosen by the kernel; writes the CA
+    to `directory/ca.pem`. Call `stop()` on the result."""
+    directory.mkdir(parents=True, exist_ok=True)
+    kube = KubeStandin(directory, token)
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost", "kubernetes.default.svc")
+    kube.ca_pem = ca.cert_pem.bytes()
+    kube.ca_path.write_bytes(kube.ca_pem)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(context)
+    httpd = _HTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.socket = context.wrap_socket(
+        httpd.socket, server_side=True, do_handshake_on_connect=False
+    )
+    httpd.kube = kube
+    httpd.conns = set()
+    httpd.conn_lock = threading.Lock()
+    kube.url = f"https://127.0.0.1:{httpd.server_address[1]}"
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="kube-standin", daemon=True
+    )
+    thread.start()
+    return RunningKubeStandin(kube, httpd, thread)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m sim.kubeapi DIR [--nodes N --pods-per-node M]`: serves a synthetic
+    cluster, writes DIR/kubeconfig, prints {"url", "kubeconfig"} as one JSON line and serves
+    until stdin closes."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m sim.kubeapi")
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--nodes", type=int, default=0)
+    parser.add_argument("--pods-per-node", type=int, default=0)
+    parser.add_argument(
+        "--workers-of-pool",
+        metavar="POOL",
+        help="also give every node a running levers9 worker of POOL (a pass's steady state)",
+    )
+    args = parser.parse_args(argv)
+    running = start_kube_standin(args.directory)
+    try:
+        synthetic_cluster(running.kube, args.nodes, args.pods_per_node)
+        if args.workers_of_pool:
+            synthetic_workers(running.kube, args.workers_of_pool)
+        kubeconfig = running.kube.write_kubeconfig(args.directory / "kubeconfig")
+        print(json.dumps({"url": running.kube.url, "kubeconfig": str(kubeconfig)}), flush=True)
+        sys.stdin.read()
+    finally:
+        running.stop()
+
+
+if __name__ == "__main__":
+    main()

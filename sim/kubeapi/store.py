@@ -1,0 +1,890 @@
+"""`KubeStandin`: the stand-in's objects (plain dicts, never mutated: each change stores a new
+dict with its JSON bytes), resourceVersions, paging, owner-reference cascading, the token
+controller, and the faults and hooks tests arm.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import itertools
+import json
+import logging
+import secrets
+import ssl
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from sim.kubeapi.model import (
+    ADMIN_USER,
+    BY_PATH,
+    DISCOVERY_PATHS,
+    LIMITED_USER,
+    RESOURCES,
+    SA_NAME_ANNOTATION,
+    SA_TOKEN_TYPE,
+    SA_UID_ANNOTATION,
+    Key,
+    KubeError,
+    Obj,
+    Resource,
+    Route,
+    b64,
+    bad_request,
+    json_body,
+    new_uid,
+    not_found,
+    resource_of,
+)
+from sim.kubeapi.objects import (
+    default_job,
+    default_secret,
+    job_node,
+    make_node,
+    make_pod,
+    owner_reference,
+    timestamp_now,
+)
+from sim.kubeapi.rbac import Want, binds, check_role_ref, forbidden, token_owner
+from sim.kubeapi.selectors import field_value, parse_field_selector, parse_label_selector
+from sim.kubeapi.tables import table_of
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class RequestRecord:
+    """One request as the server saw it (no headers: they carry the token)."""
+
+    method: str
+    verb: str
+    path: str
+    query: str
+    status: int
+
+
+@attrs.define
+class Fault:
+    """Answers the next `remaining` matching requests with `kind` (429, 500 or delay)."""
+
+    kind: str
+    remaining: int
+    path_prefix: str | None = None
+    verb: str | None = None
+    retry_after_s: int = 1
+    delay_s: float = 0.0
+
+    def matches(self, verb: str, path: str) -> bool:
+        if self.verb is not None and self.verb != verb:
+            return False
+        return self.path_prefix is None or path.startswith(self.path_prefix)
+
+
+@attrs.frozen
+class _Stored:
+    obj: Obj
+    raw: bytes
+
+
+JobHook = Callable[["KubeStandin", Obj], object]
+"""Called with the server and the stored Job; what it returns is ignored."""
+
+
+class KubeStandin:
+    """The stand-in's state and its Python API; `start_kube_standin` puts it on the network.
+
+    All methods are thread-safe. Objects passed in are owned by the server afterwards (it stores
+    shallow copies with fresh metadata and never mutates them); objects handed out are the
+    stored dicts themselves and must not be mutated either.
+    """
+
+    def __init__(self, directory: Path, token: str | None = None) -> None:
+        self.directory = directory
+        self.token = token or secrets.token_urlsafe(24)
+        self._tokens: dict[str, frozenset[str]] = {self.token: frozenset()}
+        # Tokens the token controller issued -> the Secret holding each; a token is valid only
+        # while that Secret still holds it and its ServiceAccount (same uid) still exists.
+        self._sa_tokens: dict[str, Key] = {}
+        self._pod_logs: dict[Key, str] = {}
+        self._lock = threading.RLock()
+        self._rv = 0
+        self._store: dict[str, dict[Key, _Stored]] = {r.plural: {} for r in RESOURCES}
+        self._pods_by_node: dict[str, dict[Key, None]] = {}
+        self._key_cache: dict[str, tuple[int, list[Key]]] = {}
+        self._faults: list[Fault] = []
+        self._job_hooks: list[JobHook] = []
+        self.hook_errors: list[BaseException] = []
+        self.requests: list[RequestRecord] = []
+        self.url = ""
+        self.ca_pem = b""
+        self.ca_path = directory / "ca.pem"
+        for ns in ("default", "kube-system", "kube-public", "kube-node-lease"):
+            self.add_namespace(ns)
+
+    def __repr__(self) -> str:
+        return f"KubeStandin(url={self.url!r})"
+
+    # -- authentication and faults
+
+    def add_token(self, token: str, denied_verbs: Iterable[str] = ()) -> None:
+        """Accepts `token`; requests whose verb is in `denied_verbs` get 403 Forbidden."""
+        with self._lock:
+            self._tokens[token] = frozenset(denied_verbs)
+
+    def who_am_i(self, token: str) -> str | None:
+        """The user `token` authenticates as (`system:serviceaccount:<ns>:<sa>` for a
+        ServiceAccount token), or None when the server would answer 401."""
+        with self._lock:
+            if token == self.token:
+                return ADMIN_USER
+            if token in self._tokens:
+                return LIMITED_USER
+            return self._sa_user(token)
+
+    def authorized(
+        self,
+        token: str,
+        verb: str,
+        resource: str,
+        namespace: str = "",
+        group: str = "",
+        *,
+        name: str = "",
+        subresource: str = "",
+    ) -> bool:
+        """Whether a request with `token` may `verb` `resource` (a plural such as "pods") of
+        API `group` in `namespace` ("" for cluster scope), as the server would decide it."""
+        with self._lock:
+            if token in self._tokens:
+                return verb not in self._tokens[token]
+            user = self._sa_user(token)
+            if user is None:
+                return False
+            return (
+                self._rbac_allows(user, verb, group, resource, subresource, namespace, name)
+                is not None
+            )
+
+    def inject_fault(
+        self,
+        kind: str,
+        count: int = 1,
+        *,
+        path_prefix: str | None = None,
+        verb: str | None = None,
+        retry_after_s: int = 1,
+        delay_s: float = 0.0,
+    ) -> Fault:
+        """Arms a fault: `kind` is "429" (TooManyRequests with Retry-After), "500" or "delay"
+        (then answers normally after `delay_s`). `verb` is a Kubernetes verb (list, get, create,
+        update, patch, delete)."""
+        if kind not in ("429", "500", "delay"):
+            raise ValueError(f"fault kind must be 429, 500 or delay, not {kind!r}")
+        fault = Fault(kind, count, path_prefix, verb, retry_after_s, delay_s)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def on_job_created(self, hook: JobHook) -> None:
+        """Calls `hook(server, job)` on the request's thread after each Job create has been
+        stored, as a kubelet would start the pod; exceptions land in `hook_errors`."""
+        with self._lock:
+            self._job_hooks.append(hook)
+
+    def request_count(
+        self, verb: str | None = None, path_prefix: str = "", method: str | None = None
+    ) -> int:
+        """How many requests matched (verb as Kubernetes names it, path without the query)."""
+        with self._lock:
+            return sum(
+                1
+                for r in self.requests
+                if (verb is None or r.verb == verb)
+                and (method is None or r.method == method)
+                and r.path.startswith(path_prefix)
+            )
+
+    def request_counts(self) -> Counter[tuple[str, str]]:
+        """(verb, path) -> number of requests."""
+        with self._lock:
+            return Counter((r.verb, r.path) for r in self.requests)
+
+    # -- state for tests
+
+    @property
+    def resource_version(self) -> int:
+        return self._rv
+
+    def add_namespace(self, name: str) -> Obj:
+        return self._put(
+            "namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+            create=False,
+        )
+
+    def add_node(self, node: Obj) -> Obj:
+        """Adds or replaces a node (see `make_node`)."""
+        return self._put("nodes", node, create=False)
+
+    def add_nodes(self, nodes: Iterable[Obj]) -> None:
+        with self._lock:
+            for node in nodes:
+                self._put("nodes", node, create=False)
+
+    def remove_node(self, name: str) -> None:
+        self._delete(BY_PATH["", "v1", "nodes"], "", name, "Orphan")
+
+    def add_pod(self, pod: Obj) -> Obj:
+        """Adds or replaces a pod (see `make_pod`); its namespace must exist."""
+        return self._put("pods", pod, create=False)
+
+    def add_pods(self, pods: Iterable[Obj]) -> None:
+        with self._lock:
+            for pod in pods:
+                self._put("pods", pod, create=False)
+
+    def remove_pod(self, name: str, namespace: str = "default") -> None:
+        self._delete(BY_PATH["", "v1", "pods"], namespace, name, "Background")
+
+    def set_pod_phase(self, name: str, phase: str, namespace: str = "default") -> Obj:
+        pod = self.get("pods", name, namespace)
+        if pod is None:
+            raise KeyError(f"pod {namespace}/{name}")
+        return self._put("pods", {**pod, "status": {**pod["status"], "phase": phase}}, False)
+
+    def set_pod_log(self, name: str, namespace: str, text: str) -> None:
+        """What `GET .../pods/<name>/log` answers from now on (empty until set); KeyError when
+        the pod does not exist."""
+        with self._lock:
+            if self.get("pods", name, namespace) is None:
+                raise KeyError(f"pod {namespace}/{name}")
+            self._pod_logs[namespace, name] = text
+
+    def service_account_token(self, secret: str, namespace: str) -> str | None:
+        """The token the token controller put into Secret `namespace/secret`, decoded; None
+        when there is no such Secret or it holds no token."""
+        stored = self.get("secrets", secret, namespace)
+        encoded = (stored or {}).get("data", {}).get("token")
+        return base64.b64decode(encoded).decode() if encoded else None
+
+    def update(self, plural: str, obj: Obj) -> Obj:
+        """Stores `obj` (any served resource) as it is, bumping its resourceVersion."""
+        return self._put(plural, obj, create=False)
+
+    def create(self, plural: str, obj: Obj) -> Obj:
+        """Creates `obj` as a POST does: `KubeError` 409 when the name is taken, the apiserver's
+        defaulting applied and, for a Job, the `on_job_created` hooks run. Returns the stored
+        object (its `metadata.uid` is what an owner reference needs)."""
+        res = resource_of(plural)
+        body = {**obj, "metadata": dict(obj.get("metadata") or {})}
+        namespace = (body["metadata"].get("namespace") or "default") if res.namespaced else ""
+        return self._create(res, namespace, body)
+
+    def patch(self, plural: str, name: str, patch: Obj, namespace: str = "default") -> Obj | None:
+        """Applies a JSON merge patch (RFC 7386) to the stored object in one step, as a
+        controller's status or binding write does; None when the object is gone (it is never
+        re-created, unlike `update`). `namespace` is ignored for cluster-scoped resources."""
+        res = resource_of(plural)
+        with self._lock:
+            try:
+                return self._patch(res, namespace if res.namespaced else "", name, patch, "")
+            except KubeError as err:
+                if err.code == 404:
+                    return None
+                raise
+
+    def get(self, plural: str, name: str, namespace: str = "") -> Obj | None:
+        res = resource_of(plural)
+        stored = self._store[plural].get((namespace if res.namespaced else "", name))
+        return None if stored is None else stored.obj
+
+    def objects(self, plural: str, namespace: str | None = None) -> list[Obj]:
+        """The stored objects of a resource (all namespaces when `namespace` is None)."""
+        with self._lock:
+            return [
+                s.obj
+                for (ns, _), s in sorted(self._store[plural].items())
+                if namespace is None or ns == namespace
+            ]
+
+    def jobs(self, namespace: str | None = None) -> list[Obj]:
+        return self.objects("jobs", namespace)
+
+    def secrets(self, namespace: str | None = None) -> list[Obj]:
+        return self.objects("secrets", namespace)
+
+    def pods(self, namespace: str | None = None) -> list[Obj]:
+        return self.objects("pods", namespace)
+
+    def run_job_pod(self, job: Obj, node: str | None = None, phase: str = "Running") -> Obj:
+        """Creates the pod the Job controller and kubelet would: named `<job>-<suffix>`, owned
+        by the Job, bound to `node` (default: the node the template pins), and marks the Job
+        active. Meant to be called from an `on_job_created` hook."""
+        meta = job["metadata"]
+        template = job["spec"]["template"]
+        spec = {**template.get("spec", {}), "nodeName": node or job_node(job) or ""}
+        pod = make_pod(f"{meta['name']}-{secrets.token_hex(3)[:5]}", None, phase=phase)
+        pod["metadata"] = {
+            "name": pod["metadata"]["name"],
+            "namespace": meta["namespace"],
+            "labels": dict(template.get("metadata", {}).get("labels", {})),
+            "ownerReferences": [owner_reference(job)],
+        }
+        pod["spec"] = spec
+        with self._lock:
+            stored = self._put("pods", pod, create=False)
+            current = self.get("jobs", meta["name"], meta["namespace"])
+            if current is not None and phase == "Running":
+                status = {**current.get("status", {}), "active": 1, "startTime": timestamp_now()}
+                self._put("jobs", {**current, "status": status}, create=False)
+        return stored
+
+    # -- clients
+
+    def write_kubeconfig(self, path: Path, token: str | None = None) -> Path:
+        """Writes a kubeconfig with the CA inline and a bearer token (default: the admin's)."""
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "standin",
+                    "cluster": {
+                        "server": self.url,
+                        "certificate-authority-data": base64.b64encode(self.ca_pem).decode(),
+                    },
+                }
+            ],
+            "users": [{"name": "standin", "user": {"token": token or self.token}}],
+            "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "standin"}}],
+            "current-context": "standin",
+            "preferences": {},
+        }
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client context trusting this server's CA (for httpx and plain sockets)."""
+        return ssl.create_default_context(cafile=str(self.ca_path))
+
+    def api_client(self, token: str | None = None) -> Any:
+        """A `kubernetes.client.ApiClient` for this server; close it after use."""
+        from kubernetes import client
+
+        config = client.Configuration()
+        config.host = self.url
+        config.ssl_ca_cert = str(self.ca_path)
+        config.api_key = {"BearerToken": token or self.token}
+        config.api_key_prefix = {"BearerToken": "Bearer"}
+        return client.ApiClient(config)
+
+    # -- the store
+
+    def _bump(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _sorted_keys(self, plural: str) -> list[Key]:
+        """The resource's keys in order, rebuilt only after a change (call with the lock)."""
+        cached = self._key_cache.get(plural)
+        if cached is None or cached[0] != self._rv:
+            cached = (self._rv, sorted(self._store[plural]))
+            self._key_cache[plural] = cached
+        return cached[1]
+
+    def _put(self, plural: str, obj: Obj, create: bool) -> Obj:
+        """Stores a new version of `obj`; `create` refuses an existing name (409)."""
+        res = resource_of(plural)
+        meta = dict(obj.get("metadata") or {})
+        with self._lock:
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = f"{meta['generateName']}{secrets.token_hex(3)[:5]}"
+            name = meta.get("name")
+            if not name:
+                raise KubeError(
+                    422, "Invalid", f"{res.kind} is invalid: metadata.name: Required value"
+                )
+            ns = ""
+            if res.namespaced:
+                ns = meta.setdefault("namespace", "default")
+                if ("", ns) not in self._store["namespaces"]:
+                    raise KubeError(
+                        404,
+                        "NotFound",
+                        f'namespaces "{ns}" not found',
+                        {"name": ns, "kind": "namespaces"},
+                    )
+            else:
+                meta.pop("namespace", None)
+            key = (ns, name)
+            table = self._store[plural]
+            old = table.get(key)
+            if old is not None and create:
+                details = {"name": name, "group": res.group, "kind": res.plural}
+                if not res.group:
+                    del details["group"]
+                raise KubeError(
+                    409, "AlreadyExists", f'{res.qualified} "{name}" already exists', details
+                )
+            if old is None:
+                meta["uid"] = meta.get("uid") if not create and meta.get("uid") else new_uid()
+                meta["creationTimestamp"] = meta.get("creationTimestamp") or timestamp_now()
+            else:
+                meta["uid"] = old.obj["metadata"]["uid"]
+                meta["creationTimestamp"] = old.obj["metadata"]["creationTimestamp"]
+            meta["resourceVersion"] = self._bump()
+            new = {**obj, "apiVersion": res.api_version, "kind": res.kind, "metadata": meta}
+            if plural == "secrets":
+                new = default_secret(new)
+                if new["type"] == SA_TOKEN_TYPE:
+                    filled = self._token_controller(key, new)
+                    if filled is None:
+                        # The token controller deletes a token Secret whose ServiceAccount is
+                        # missing; the write itself succeeded, so the writer sees the object.
+                        if old is not None:
+                            del table[key]
+                            self._forget_token(key, old.obj)
+                        return new
+                    new = filled
+            elif plural in ("rolebindings", "clusterrolebindings"):
+                check_role_ref(res, new, old.obj if old is not None else None)
+            elif plural == "jobs" and old is None:
+                new = default_job(new)
+            elif plural == "namespaces":
+                new.setdefault("spec", {"finalizers": ["kubernetes"]})
+                new.setdefault("status", {"phase": "Active"})
+            table[key] = _Stored(new, json.dumps(new, separators=(",", ":")).encode())
+            if plural == "pods":
+                self._index_pod(key, old.obj if old else None, new)
+            return new
+
+    def _index_pod(self, key: Key, old: Obj | None, new: Obj | None) -> None:
+        if old is not None:
+            node = old.get("spec", {}).get("nodeName") or ""
+            self._pods_by_node.get(node, {}).pop(key, None)
+        if new is not None:
+            node = new.get("spec", {}).get("nodeName") or ""
+            self._pods_by_node.setdefault(node, {})[key] = None
+
+    def _delete(self, res: Resource, ns: str, name: str, policy: str) -> Obj:
+        with self._lock:
+            key = (ns if res.namespaced else "", name)
+            stored = self._store[res.plural].pop(key, None)
+            if stored is None:
+                raise not_found(res, name)
+            self._bump()
+            if res.plural == "pods":
+                self._index_pod(key, stored.obj, None)
+                self._pod_logs.pop(key, None)
+            elif res.plural == "secrets":
+                self._forget_token(key, stored.obj)
+            elif res.plural == "serviceaccounts":
+                # The token controller removes the ServiceAccount's token Secrets (and so
+                # invalidates their tokens).
+                for secret_key, secret in list(self._store["secrets"].items()):
+                    if secret_key[0] == ns and token_owner(secret.obj) == name:
+                        self._delete(resource_of("secrets"), ns, secret_key[1], "Background")
+            uid = stored.obj["metadata"]["uid"]
+            if policy in ("Background", "Foreground"):
+                self._collect(uid)
+            if res.plural == "namespaces":
+                for plural, table in self._store.items():
+                    for dep_key in [k for k in table if k[0] == name]:
+                        self._delete(resource_of(plural), dep_key[0], dep_key[1], "Background")
+            return stored.obj
+
+    def _collect(self, owner_uid: str) -> None:
+        """The garbage collector, synchronously: deletes every dependent of `owner_uid`."""
+        for plural, table in self._store.items():
+            dependents = [
+                key
+                for key, s in table.items()
+                if any(
+                    ref.get("uid") == owner_uid
+                    for ref in s.obj["metadata"].get("ownerReferences", ())
+                )
+            ]
+            for ns, name in dependents:
+                self._delete(resource_of(plural), ns, name, "Background")
+
+    # -- ServiceAccounts and RBAC (call with the lock)
+
+    def _token_controller(self, key: Key, secret: Obj) -> Obj | None:
+        """The token Secret as the token controller completes it, or None when its
+        ServiceAccount does not exist (or is another one of the same name)."""
+        meta = secret["metadata"]
+        annotations = dict(meta.get("annotations") or {})
+        sa_name = annotations.get(SA_NAME_ANNOTATION)
+        if not sa_name:
+            raise KubeError(
+                422,
+                "Invalid",
+                f'Secret "{key[1]}" is invalid: metadata.annotations[{SA_NAME_ANNOTATION}]: '
+                "Required value",
+            )
+        sa = self._store["serviceaccounts"].get((key[0], sa_name))
+        if sa is None:
+            return None
+        sa_uid = sa.obj["metadata"]["uid"]
+        if annotations.get(SA_UID_ANNOTATION) not in (None, "", sa_uid):
+            return None
+        annotations[SA_UID_ANNOTATION] = sa_uid
+        data = dict(secret.get("data") or {})
+        if not data.get("token"):
+            token = secrets.token_urlsafe(32)
+            data["token"] = b64(token.encode())
+            self._sa_tokens[token] = key
+        if not data.get("ca.crt"):
+            data["ca.crt"] = b64(self.ca_pem)
+        if not data.get("namespace"):
+            data["namespace"] = b64(key[0].encode())
+        return {**secret, "metadata": {**meta, "annotations": annotations}, "data": data}
+
+    def _forget_token(self, key: Key, secret: Obj) -> None:
+        encoded = (secret.get("data") or {}).get("token")
+        if encoded:
+            token = base64.b64decode(encoded).decode(errors="replace")
+            if self._sa_tokens.get(token) == key:
+                del self._sa_tokens[token]
+
+    def _sa_user(self, token: str) -> str | None:
+        """`system:serviceaccount:<ns>:<sa>` for a live ServiceAccount token, else None."""
+        key = self._sa_tokens.get(token)
+        stored = self._store["secrets"].get(key) if key is not None else None
+        if key is None or stored is None:
+            return None
+        secret = stored.obj
+        if (secret.get("data") or {}).get("token") != b64(token.encode()):
+            return None
+        sa_name = token_owner(secret)
+        sa = self._store["serviceaccounts"].get((key[0], sa_name or ""))
+        annotations = secret["metadata"].get("annotations") or {}
+        if sa is None or sa.obj["metadata"]["uid"] != annotations.get(SA_UID_ANNOTATION):
+            return None
+        return f"system:serviceaccount:{key[0]}:{sa_name}"
+
+    def _rbac_allows(
+        self, user: str, verb: str, group: str, resource: str, sub: str, ns: str, name: str
+    ) -> str | None:
+        """Why RBAC lets `user` do this (the binding and role that grant it), or None."""
+        want = Want(verb, group, f"{resource}/{sub}" if sub else resource, name)
+        candidates = [("", s.obj) for s in self._store["clusterrolebindings"].values()]
+        if ns:
+            candidates += [
+                (ns, s.obj) for (b_ns, _), s in self._store["rolebindings"].items() if b_ns == ns
+            ]
+        for b_ns, binding in candidates:
+            ref = binding.get("roleRef") or {}
+            if ref.get("kind") == "Role" and b_ns:
+                role = self._store["roles"].get((b_ns, str(ref.get("name"))))
+            elif ref.get("kind") == "ClusterRole":
+                role = self._store["clusterroles"].get(("", str(ref.get("name"))))
+            else:
+                role = None
+            if role is None or not binds(binding, b_ns, user):
+                continue
+            if any(want.allowed_by(rule) for rule in role.obj.get("rules") or ()):
+                kind = "RoleBinding" if b_ns else "ClusterRoleBinding"
+                return (
+                    f'RBAC: allowed by {kind} "{binding["metadata"]["name"]}" of '
+                    f'{ref["kind"]} "{ref["name"]}" to {user}'
+                )
+        return None
+
+    # -- the REST layer (called by the handler)
+
+    def _authenticate(self, header: str | None) -> tuple[str, frozenset[str] | None]:
+        """(user, denied verbs) for a bearer token; denied verbs is None for a ServiceAccount
+        token, which RBAC decides for. Raises 401 for anything else."""
+        token = header[7:] if header and header.startswith("Bearer ") else None
+        with self._lock:
+            denied = self._tokens.get(token) if token is not None else None
+            if denied is not None:
+                return (ADMIN_USER if token == self.token else LIMITED_USER), denied
+            user = self._sa_user(token) if token is not None else None
+        if user is None:
+            raise KubeError(401, "Unauthorized", "Unauthorized")
+        return user, None
+
+    def _authorize(
+        self,
+        header: str | None,
+        verb: str,
+        res: Resource | None,
+        ns: str,
+        name: str = "",
+        sub: str = "",
+    ) -> tuple[str, frozenset[str] | None]:
+        """Raises 401 or 403 as the apiserver would; returns what `_authenticate` does."""
+        user, denied = self._authenticate(header)
+        if denied is None:
+            if res is None:
+                # Discovery is open to every authenticated user.
+                return user, None
+            if res.plural == "namespaces" and name:
+                ns = name  # a namespace is authorized within itself, as the apiserver does
+            with self._lock:
+                allowed = self._rbac_allows(user, verb, res.group, res.plural, sub, ns, name)
+            if allowed is None:
+                raise forbidden(user, verb, res, ns, name, sub)
+            return user, None
+        if verb in denied:
+            what = res.plural if res else "discovery"
+            group = res.group if res else ""
+            where = f' in the namespace "{ns}"' if ns else " at the cluster scope"
+            details = {"kind": what} | ({"group": group} if group else {})
+            raise KubeError(
+                403,
+                "Forbidden",
+                f'{res.qualified if res else what} is forbidden: User "{LIMITED_USER}" '
+                f'cannot {verb} resource "{what}" in API group "{group}"{where}',
+                details,
+            )
+        return user, denied
+
+    def _pod_log(self, method: str, route: Route) -> bytes:
+        if method != "GET":
+            raise KubeError(405, "MethodNotAllowed", f"{method} is not supported on pods/log")
+        with self._lock:
+            if (route.namespace, route.name) not in self._store["pods"]:
+                raise not_found(route.res, route.name)
+            return self._pod_logs.get((route.namespace, route.name), "").encode()
+
+    def _access_review(self, user: str, denied: frozenset[str] | None, body: bytes) -> Obj:
+        """Answers a SelfSubjectAccessReview (what `kubectl auth can-i` sends); `denied` as
+        `_authenticate` returns it."""
+        review = json_body(body)
+        spec = review.get("spec") or {}
+        attrs_ = spec.get("resourceAttributes")
+        reason = ""
+        if isinstance(attrs_, dict):
+            verb = str(attrs_.get("verb") or "")
+            if denied is not None:
+                allowed = verb not in denied
+            else:
+                group = str(attrs_.get("group") or "")
+                resource = str(attrs_.get("resource") or "")
+                with self._lock:
+                    why = self._rbac_allows(
+                        user,
+                        verb,
+                        group,
+                        resource,
+                        str(attrs_.get("subresource") or ""),
+                        str(attrs_.get("namespace") or ""),
+                        str(attrs_.get("name") or ""),
+                    )
+                allowed, reason = why is not None, why or ""
+        else:
+            non_resource = spec.get("nonResourceAttributes") or {}
+            allowed = denied is not None or (
+                non_resource.get("verb") == "get"
+                and str(non_resource.get("path") or "").startswith(DISCOVERY_PATHS)
+            )
+        status: Obj = {"allowed": allowed}
+        if reason:
+            status["reason"] = reason
+        return {
+            "kind": "SelfSubjectAccessReview",
+            "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {"creationTimestamp": None},
+            "spec": spec,
+            "status": status,
+        }
+
+    def _take_fault(self, verb: str, path: str) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.remaining > 0 and fault.matches(verb, path):
+                    fault.remaining -= 1
+                    return fault
+        return None
+
+    def _list(
+        self, res: Resource, ns: str, query: Mapping[str, str], as_table: bool = False
+    ) -> bytes:
+        labels = parse_label_selector(query.get("labelSelector", ""))
+        fields = parse_field_selector(query.get("fieldSelector", ""))
+        limit = int(query.get("limit") or 0)
+        after = _decode_continue(query["continue"]) if query.get("continue") else None
+        items: list[_Stored] = []
+        next_key: Key | None = None
+        last: Key | None = None
+        with self._lock:
+            table = self._store[res.plural]
+            rv = str(self._rv)
+            node_terms = [f for f in fields if f.field == "spec.nodeName" and not f.negate]
+            if res.plural == "pods" and node_terms:
+                keys: list[Key] = sorted(self._pods_by_node.get(node_terms[0].value, {}))
+            else:
+                keys = self._sorted_keys(res.plural)
+            # Pages resume by bisecting the sorted keys, as etcd's ranges do: a paged list
+            # of N objects costs N, not N per page.
+            start = bisect.bisect_right(keys, after) if after is not None else 0
+            for key in itertools.islice(keys, start, None):
+                if ns and key[0] != ns:
+                    continue
+                stored = table[key]
+                obj = stored.obj
+                meta = obj["metadata"]
+                if labels:
+                    obj_labels = meta.get("labels") or {}
+                    if not all(r.matches(obj_labels) for r in labels):
+                        continue
+                if fields and not all(
+                    (field_value(obj, f.field) == f.value) != f.negate for f in fields
+                ):
+                    continue
+                if limit and len(items) == limit:
+                    next_key = last
+                    break
+                items.append(stored)
+                last = key
+        list_meta: Obj = {"resourceVersion": rv}
+        if next_key is not None:
+            list_meta["continue"] = _encode_continue(next_key)
+        if as_table:
+            return json.dumps(table_of(res, [s.obj for s in items], list_meta)).encode()
+        raw = [s.raw for s in items]
+        head = json.dumps(
+            {"kind": f"{res.kind}List", "apiVersion": res.api_version, "metadata": list_meta}
+        )
+        return b"".join((head[:-1].encode(), b',"items":[', b",".join(raw), b"]}"))
+
+    def _create(self, res: Resource, ns: str, body: Obj) -> Obj:
+        meta = body.setdefault("metadata", {})
+        if not isinstance(meta, dict):
+            raise bad_request("metadata must be an object")
+        if res.namespaced:
+            if meta.get("namespace") not in (None, "", ns):
+                raise bad_request(
+                    "the namespace of the provided object does not match the namespace sent on "
+                    "the request"
+                )
+            meta["namespace"] = ns
+        for field in ("uid", "resourceVersion", "creationTimestamp"):
+            meta.pop(field, None)
+        created = self._put(res.plural, body, create=True)
+        if res.plural == "jobs":
+            with self._lock:
+                hooks = list(self._job_hooks)
+            for hook in hooks:
+                try:
+                    hook(self, created)
+                except Exception as exc:
+                    log.exception("kube stand-in job hook failed")
+                    self.hook_errors.append(exc)
+        return created
+
+    def _replace(self, res: Resource, ns: str, name: str, body: Obj, sub: str) -> Obj:
+        with self._lock:
+            current = self.get(res.plural, name, ns)
+            if current is None:
+                raise not_found(res, name)
+            meta = body.get("metadata") or {}
+            sent_rv = meta.get("resourceVersion")
+            if sent_rv and sent_rv != current["metadata"]["resourceVersion"]:
+                raise KubeError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {res.qualified} "{name}": the object has '
+                    "been modified; please apply your changes to the latest version and try again",
+                    {"name": name, "kind": res.plural},
+                )
+            if sub == "status":
+                new = {**current, "status": body.get("status", {})}
+            else:
+                new = {**body, "metadata": {**meta, "name": name, "namespace": ns}}
+                if "status" in current:
+                    new["status"] = current["status"]
+            return self._put(res.plural, new, create=False)
+
+    def _patch(self, res: Resource, ns: str, name: str, patch: Obj, sub: str) -> Obj:
+        with self._lock:
+            current = self.get(res.plural, name, ns)
+            if current is None:
+                raise not_found(res, name)
+            if sub == "status":
+                patch = {"status": patch.get("status", {})}
+            merged = _merge_patch(current, patch)
+            merged["metadata"] = {
+                **merged.get("metadata", {}),
+                "resourceVersion": current["metadata"]["resourceVersion"],
+            }
+            return self._put(res.plural, merged, create=False)
+
+
+def _encode_continue(key: Key) -> str:
+    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
+
+
+def _decode_continue(token: str) -> Key:
+    try:
+        ns, name = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return (str(ns), str(name))
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"invalid continue token: {exc}") from None
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (also used for strategic-merge patches, which it approximates)."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
+
+
+def synthetic_cluster(kube: KubeStandin, nodes: int, pods_per_node: int) -> None:
+    """Fills `kube` with `nodes` 8-card nodes, each running `pods_per_node` one-card-or-less
+    pods in namespace `work` (for benchmarks)."""
+    kube.add_namespace("work")
+    kube.add_nodes(
+        make_node(f"node-{i:05d}", gpus=8, cpu="96", memory="1024Gi", labels={"pool": "bench"})
+        for i in range(nodes)
+    )
+    kube.add_pods(
+        make_pod(
+            f"p-{i:05d}-{j:03d}",
+            f"node-{i:05d}",
+            gpu_limit=1 if j % 4 == 0 else 0,
+            namespace="work",
+        )
+        for i in range(nodes)
+        for j in range(pods_per_node)
+    )
+
+
+def synthetic_workers(kube: KubeStandin, pool: str, namespace: str = "levers9") -> None:
+    """A running worker of `pool` on every node, as a reconcile pass would have left them:
+    the Job (from the real manifest) and its pod holding 3 cards."""
+    from control.kube.planner import PoolSettings, job_manifest, job_name, token_secret_name
+
+    kube.add_namespace(namespace)
+    settings = PoolSettings(name=pool, namespace=namespace, image="worker:bench")
+    for node in kube.objects("nodes"):
+        node_name = node["metadata"]["name"]
+        name = job_name(pool, node_name, 0)
+        manifests = job_manifest(
+            settings,
+            node_name,
+            3,
+            name,
+            token_secret_name(name),
+            "https://levers9.bench.test",
+            token="bench",
+            hostname=node_name,
+        )
+        job = kube._put("jobs", manifests.job, create=True)
+        kube.run_job_pod(job, node_name)

@@ -1,0 +1,102 @@
+"""The `Table` form `kubectl get` asks for (`application/json;as=Table`), with its columns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sim.kubeapi.model import Obj, Resource
+
+
+def _age(obj: Obj) -> str:
+    created = obj["metadata"].get("creationTimestamp")
+    if not created:
+        return "<unknown>"
+    then = datetime.strptime(created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    seconds = int((datetime.now(UTC) - then).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
+
+
+def _row(res: Resource, obj: Obj) -> list[Any]:
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    name = obj["metadata"]["name"]
+    if res.plural == "nodes":
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions", ())
+        )
+        state = "Ready" if ready else "NotReady"
+        if spec.get("unschedulable"):
+            state += ",SchedulingDisabled"
+        version = status.get("nodeInfo", {}).get("kubeletVersion", "")
+        return [name, state, "<none>", _age(obj), version]
+    if res.plural == "pods":
+        containers = status.get("containerStatuses") or []
+        ready_count = sum(1 for c in containers if c.get("ready"))
+        restarts = sum(int(c.get("restartCount", 0)) for c in containers)
+        total = len(spec.get("containers", ()))
+        return [name, f"{ready_count}/{total}", status.get("phase", ""), restarts, _age(obj)]
+    if res.plural == "jobs":
+        done = f"{status.get('succeeded', 0)}/{spec.get('completions', 1)}"
+        state = "Running" if status.get("active") else "Complete" if status.get("succeeded") else ""
+        return [name, state, done, "", _age(obj)]
+    if res.plural == "secrets":
+        return [name, obj.get("type", ""), len(obj.get("data") or {}), _age(obj)]
+    if res.plural == "serviceaccounts":
+        return [name, len(obj.get("secrets") or ()), _age(obj)]
+    if res.plural in ("roles", "clusterroles"):
+        return [name, obj["metadata"].get("creationTimestamp", "")]
+    if res.plural in ("rolebindings", "clusterrolebindings"):
+        ref = obj.get("roleRef") or {}
+        return [name, f"{ref.get('kind', '')}/{ref.get('name', '')}", _age(obj)]
+    return [name, status.get("phase", ""), _age(obj)]
+
+
+_COLUMNS = {
+    "nodes": ["Name", "Status", "Roles", "Age", "Version"],
+    "pods": ["Name", "Ready", "Status", "Restarts", "Age"],
+    "jobs": ["Name", "Status", "Completions", "Duration", "Age"],
+    "secrets": ["Name", "Type", "Data", "Age"],
+    "namespaces": ["Name", "Status", "Age"],
+    "serviceaccounts": ["Name", "Secrets", "Age"],
+    "roles": ["Name", "Created At"],
+    "clusterroles": ["Name", "Created At"],
+    "rolebindings": ["Name", "Role", "Age"],
+    "clusterrolebindings": ["Name", "Role", "Age"],
+}
+
+
+def table_of(res: Resource, objs: Sequence[Obj], list_meta: Obj) -> Obj:
+    """A meta.k8s.io/v1 Table, the shape kubectl prints from."""
+    columns = [
+        {
+            "name": col,
+            "type": "integer" if col in ("Restarts", "Data", "Secrets") else "string",
+            "format": "name" if col == "Name" else "",
+            "description": col,
+            "priority": 0,
+        }
+        for col in _COLUMNS[res.plural]
+    ]
+    rows = [
+        {
+            "cells": _row(res, obj),
+            "object": {
+                "kind": "PartialObjectMetadata",
+                "apiVersion": "meta.k8s.io/v1",
+                "metadata": obj["metadata"],
+            },
+        }
+        for obj in objs
+    ]
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": list_meta,
+        "columnDefinitions": columns,
+        "rows": rows,
+    }

@@ -40,6 +40,20 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _missing_extras() -> list[str]:
+    """The simulator's own dependencies (the `sim` extra) that this Python lacks."""
+    import importlib.util
+
+    from nvml.standin import StandinError, nvml_include_dir
+
+    missing = [name for name in ("trustme",) if importlib.util.find_spec(name) is None]
+    try:
+        nvml_include_dir()
+    except StandinError:
+        missing.append("nvidia-nvml-dev")
+    return missing
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster.add_argument("--pods-per-node", type=int, default=0, help="neighbour pods per node")
     cluster.add_argument("--dir", type=Path, help="where to keep the kubeconfig and certificates")
     args = parser.parse_args(argv)
+    missing = _missing_extras()
+    if missing:
+        print(
+            f"python -m sim: {', '.join(missing)} missing; install the simulator's "
+            "dependencies with: pip install 'levers9[sim]'",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "demo":
         from sim.demo import main as demo
 

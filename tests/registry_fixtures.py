@@ -19,7 +19,7 @@ import attrs
 import httpx
 import pytest
 
-from agent.runtime.images.puller import RegistryCredentials
+from agent.runtime.images.auth import RegistryCredentials
 from sim.registry import (
     Image,
     Index,

@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from agent.api.reference import DOCKER_HUB, ImageReference, registry_scheme
+from agent.runtime.images.auth import Challenge, RegistryCredentials, parse_challenges
 from agent.runtime.images.manifests import (
     DOCKER_LAYER_GZIP,
     DOCKER_MANIFEST,
@@ -33,13 +34,7 @@ from agent.runtime.images.manifests import (
     parse_image_config,
     parse_manifest,
 )
-from agent.runtime.images.puller import (
-    Challenge,
-    ImagePuller,
-    PullProgress,
-    RegistryCredentials,
-    parse_challenges,
-)
+from agent.runtime.images.puller import ImagePuller, PullProgress
 from agent.store.objects import ObjectStore
 from agent.wire.errors import ApiError, ErrorCode
 from sim.registry import (

@@ -30,8 +30,8 @@ from agent.runtime.layers import (
     UnpackedLayer,
     UnsafeLayer,
     unpack_layer_file,
-    write_layer,
 )
+from agent.runtime.snapshots import write_layer
 from agent.store.objects import ObjectStore
 from agent.wire.errors import ErrorCode
 

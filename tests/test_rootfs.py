@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from agent.host.mount import parse_mountinfo
-from agent.runtime.layers import MEDIA_TYPE_TAR, LayerCache, write_layer
+from agent.runtime.layers import MEDIA_TYPE_TAR, LayerCache
 from agent.runtime.rootfs import (
     RootfsError,
     mount_overlay,
@@ -24,6 +24,7 @@ from agent.runtime.rootfs import (
     overlays_under,
     unmount,
 )
+from agent.runtime.snapshots import write_layer
 from agent.store.objects import ObjectStore
 from agent.wire.errors import ErrorCode
 from tests.test_layers import Member, directory, ensure, entry, hardlink, put_layer, symlink

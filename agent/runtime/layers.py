@@ -38,7 +38,7 @@ import stat
 import tarfile
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Protocol, cast
 
@@ -51,7 +51,6 @@ from agent.wire.errors import ApiError, ErrorCode
 MEDIA_TYPE_TAR = "application/vnd.oci.image.layer.v1.tar"
 MEDIA_TYPE_TAR_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 MEDIA_TYPE_DOCKER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
-
 _UNCOMPRESSED = frozenset(
     {
         MEDIA_TYPE_TAR,
@@ -72,18 +71,17 @@ _ZSTD = frozenset(
         "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd",
     }
 )
-
 _DIGEST = re.compile(r"^(sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128})$")
 _ID_HEX = 16
 _META = "layer.json"
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
-_CHUNK = 1 << 20
-_BLOCK = tarfile.BLOCKSIZE
-_WHITEOUT = ".wh."
-_OPAQUE = ".wh..wh..opq"
+CHUNK_BYTES = 1 << 20
+BLOCK_BYTES = tarfile.BLOCKSIZE
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
 _OPAQUE_XATTR = "trusted.overlay.opaque"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_CACHE_SIZE = 64
 
 
@@ -144,9 +142,6 @@ class _Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
-# -- digests and media types ---------------------------------------------------------------------
-
-
 def _hasher_for(digest: str, field: str) -> _Hasher:
     if not _DIGEST.match(digest):
         raise LayerError(
@@ -182,15 +177,12 @@ def _compression_of(media_type: str, digest: str) -> str:
     )
 
 
-# -- reading: the blob, decompressed and hashed in one pass --------------------------------------
-
-
 class _LayerReader:
     """The tar bytes of a layer blob, hashing the blob's bytes and the tar's bytes as they go.
 
     `tarfile` reads it like a file. gzip is decoded with zlib directly (not `gzip.GzipFile`)
     so we read in large chunks, accept multi-member streams and zero padding after the last
-    member, and hand out at most `_CHUNK` decompressed bytes at a time (a gzip bomb costs
+    member, and hand out at most `CHUNK_BYTES` decompressed bytes at a time (a gzip bomb costs
     disk, never memory).
     """
 
@@ -207,7 +199,7 @@ class _LayerReader:
         self._output = memoryview(b"")
 
     def _read_blob(self) -> bytes:
-        data = self._blob.read(_CHUNK)
+        data = self._blob.read(CHUNK_BYTES)
         self.blob_hasher.update(data)
         return data
 
@@ -226,7 +218,7 @@ class _LayerReader:
                     if not self._input:
                         continue
                 self._inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            out = self._inflater.decompress(self._input, _CHUNK)
+            out = self._inflater.decompress(self._input, CHUNK_BYTES)
             self._input = self._inflater.unconsumed_tail
             if self._inflater.eof:
                 self._input = self._inflater.unused_data
@@ -255,7 +247,7 @@ class _LayerReader:
 
     def finish(self) -> None:
         """Read what the tar left over (its end blocks and padding), so both digests are whole."""
-        while self.read(_CHUNK):
+        while self.read(CHUNK_BYTES):
             pass
         self.finish_blob()
 
@@ -263,9 +255,6 @@ class _LayerReader:
         """Hash the rest of the blob, without decoding it (the decoder may be the thing broken)."""
         while self._read_blob():
             pass
-
-
-# -- extraction: one member at a time, never through a symlink ------------------------------------
 
 
 def _split(name: str) -> list[str] | None:
@@ -278,7 +267,7 @@ def _split(name: str) -> list[str] | None:
     return parts
 
 
-def _is_whiteout(st: os.stat_result) -> bool:
+def is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
@@ -289,7 +278,7 @@ def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
         return None
 
 
-def _allowed_xattr(key: str) -> bool:
+def allowed_xattr(key: str) -> bool:
     # trusted.* would let a layer steer overlayfs (redirects, opaque dirs of its own making);
     # the rest of security.* belongs to the host's policy, not to an image.
     return (
@@ -304,7 +293,7 @@ def _xattrs_of(member: tarfile.TarInfo) -> dict[str, bytes]:
     for key, value in member.pax_headers.items():
         if key.startswith("SCHILY.xattr."):
             name = key.removeprefix("SCHILY.xattr.")
-            if _allowed_xattr(name):
+            if allowed_xattr(name):
                 found[name] = value.encode("utf-8", "surrogateescape")
     return found
 
@@ -345,7 +334,7 @@ class _Extractor:
 
     def _open_dir(self, parent_fd: int, name: str, path: tuple[str, ...], create: bool) -> int:
         try:
-            return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
         except FileNotFoundError:
             if not create:
                 raise self._invalid(
@@ -356,7 +345,7 @@ class _Extractor:
             st = _lstat(name, parent_fd)
             if st is not None and stat.S_ISLNK(st.st_mode):
                 raise self._unsafe(f"goes through the symlink {'/'.join(path)}") from None
-            if st is None or not _is_whiteout(st) or not create:
+            if st is None or not is_whiteout(st) or not create:
                 raise self._invalid(
                     f"goes through {'/'.join(path)}, which is not a directory"
                 ) from None
@@ -370,7 +359,7 @@ class _Extractor:
     def _make_dir(parent_fd: int, name: str) -> int:
         """A directory the tar implies but does not list: root's, 0755, as Docker makes them."""
         os.mkdir(name, 0o700, dir_fd=parent_fd)
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
         os.fchmod(fd, 0o755)  # not left to the umask
         return fd
 
@@ -434,7 +423,7 @@ class _Extractor:
                 self._dir_times.append(((), _mtime_ns(member)))
             return
         name = parts[-1]
-        if name.startswith(_WHITEOUT):
+        if name.startswith(WHITEOUT):
             self._whiteout(parts)
             return
         if member.ischr() or member.isblk() or member.isfifo():
@@ -470,11 +459,11 @@ class _Extractor:
     ) -> None:
         opaque = False
         if existing is not None and not stat.S_ISDIR(existing.st_mode):
-            opaque = _is_whiteout(existing)
+            opaque = is_whiteout(existing)
             self._remove(parent, parts, existing)
         if existing is None or not stat.S_ISDIR(existing.st_mode):
             os.mkdir(name, 0o700, dir_fd=parent)
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
         try:
             if opaque:
                 os.setxattr(fd, _OPAQUE_XATTR, b"y")
@@ -489,10 +478,10 @@ class _Extractor:
             name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
             dir_fd=parent,
         )  # fmt: skip
-        with os.fdopen(fd, "wb", buffering=_CHUNK) as out:
+        with os.fdopen(fd, "wb", buffering=CHUNK_BYTES) as out:
             source = tar.extractfile(member)
             if source is not None:
-                while chunk := source.read(_CHUNK):
+                while chunk := source.read(CHUNK_BYTES):
                     out.write(chunk)
             out.flush()
             self._set_attributes(fd, member)
@@ -523,11 +512,11 @@ class _Extractor:
     def _whiteout(self, parts: list[str]) -> None:
         name = parts[-1]
         parent = self._parent(parts)
-        if name == _OPAQUE:
+        if name == OPAQUE:
             os.setxattr(parent, _OPAQUE_XATTR, b"y")
             return
-        hidden = name.removeprefix(_WHITEOUT)
-        if hidden in ("", ".", "..") or hidden.startswith(_WHITEOUT):
+        hidden = name.removeprefix(WHITEOUT)
+        if hidden in ("", ".", "..") or hidden.startswith(WHITEOUT):
             raise self._invalid("is a whiteout of no valid name")
         existing = _lstat(hidden, parent)
         if existing is None:
@@ -546,7 +535,7 @@ class _Extractor:
                 continue
             try:
                 parent = self._parent(list(parts), create=False)
-                fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
+                fd = os.open(parts[-1], DIR_FLAGS, dir_fd=parent)
             except (LayerError, OSError):
                 continue  # replaced by a later member
             try:
@@ -606,7 +595,7 @@ def unpack_layer_file(
 
 
 def _extract(reader: _LayerReader, dest: Path, digest: str) -> None:
-    root_fd = os.open(dest, _DIR_FLAGS)
+    root_fd = os.open(dest, DIR_FLAGS)
     extractor = _Extractor(root_fd, digest)
     try:
         try:
@@ -652,9 +641,6 @@ def _translate(exc: BaseException, digest: str) -> BaseException:
         f"layer {digest} is not a valid tar archive ({exc}); rebuild the image",
         field="image",
     )
-
-
-# -- the shared cache -------------------------------------------------------------------------
 
 
 def _flock(fd: int, *, blocking: bool) -> bool:
@@ -744,7 +730,7 @@ class LayerCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         temp = self.directory / f"{_TMP_PREFIX}{secrets.token_hex(6)}"
         temp.mkdir()
-        lock_fd = os.open(temp, _DIR_FLAGS)
+        lock_fd = os.open(temp, DIR_FLAGS)
         try:
             _flock(lock_fd, blocking=True)
             actual = unpack_layer_file(
@@ -836,7 +822,7 @@ class LayerCache:
                 shutil.rmtree(path, ignore_errors=True)
             elif name.startswith(_TMP_PREFIX):
                 try:
-                    fd = os.open(path, _DIR_FLAGS)
+                    fd = os.open(path, DIR_FLAGS)
                 except OSError:
                     continue
                 try:
@@ -878,170 +864,3 @@ def _check_diff_id(layer: UnpackedLayer, diff_id: str | None) -> None:
             f"says {diff_id}; the image is inconsistent, rebuild or re-push it",
             field="image",
         )
-
-
-# -- snapshots: an overlay upper dir back into an OCI layer ---------------------------------------
-
-
-class _Unrepresentable(Exception):
-    pass
-
-
-def _header(
-    name: str, st: os.stat_result, kind: bytes, *, size: int = 0, link: str = ""
-) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type = kind
-    info.mode = stat.S_IMODE(st.st_mode)
-    info.uid = st.st_uid
-    info.gid = st.st_gid
-    # Whole seconds, as Docker writes layers: a fraction costs a pax header per entry.
-    info.mtime = st.st_mtime_ns // 1_000_000_000
-    info.size = size
-    info.linkname = link
-    info.uname = info.gname = ""
-    return info
-
-
-def _encode(info: tarfile.TarInfo, xattrs: dict[str, bytes] | None = None) -> bytes:
-    if xattrs:
-        info.pax_headers = {
-            f"SCHILY.xattr.{key}": value.decode("utf-8", "surrogateescape")
-            for key, value in xattrs.items()
-        }
-    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-
-
-def _read_xattrs(fd: int) -> dict[str, bytes]:
-    found: dict[str, bytes] = {}
-    try:
-        names = os.listxattr(fd)
-    except OSError:
-        return found
-    for key in names:
-        if _allowed_xattr(key):
-            with contextlib.suppress(OSError):
-                found[key] = os.getxattr(fd, key)
-    return found
-
-
-def _overlay_xattr(fd: int, key: str) -> bytes | None:
-    try:
-        return os.getxattr(fd, f"trusted.overlay.{key}")
-    except OSError:
-        return None
-
-
-def _upper_tar(upper: Path) -> Generator[bytes, None, None]:
-    """The OCI layer tar of an overlay upper dir, as a stream of byte strings."""
-    root_fd = os.open(upper, _DIR_FLAGS)
-    try:
-        yield from _tar_directory(root_fd, "", {})
-        yield b"\0" * (2 * _BLOCK)
-    finally:
-        os.close(root_fd)
-
-
-def _tar_directory(dir_fd: int, prefix: str, links: dict[tuple[int, int], str]) -> Iterator[bytes]:
-    with os.scandir(dir_fd) as scan:
-        names = sorted(entry.name for entry in scan)
-    for name in names:
-        path = prefix + name
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if _is_whiteout(st):
-            yield _encode(_header(prefix + _WHITEOUT + name, st, tarfile.REGTYPE))
-        elif stat.S_ISDIR(st.st_mode):
-            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-            try:
-                if _overlay_xattr(fd, "redirect") is not None:
-                    raise _Unrepresentable(f"directory {path} was renamed inside overlayfs")
-                yield _encode(_header(path, st, tarfile.DIRTYPE), _read_xattrs(fd))
-                if _overlay_xattr(fd, "opaque") == b"y":
-                    yield _encode(_header(f"{path}/{_OPAQUE}", st, tarfile.REGTYPE))
-                yield from _tar_directory(fd, path + "/", links)
-            finally:
-                os.close(fd)
-        elif stat.S_ISLNK(st.st_mode):
-            target = os.readlink(name, dir_fd=dir_fd)
-            yield _encode(_header(path, st, tarfile.SYMTYPE, link=target))
-        elif stat.S_ISREG(st.st_mode):
-            key = (st.st_dev, st.st_ino)
-            if st.st_nlink > 1 and key in links:
-                yield _encode(_header(path, st, tarfile.LNKTYPE, link=links[key]))
-                continue
-            if st.st_nlink > 1:
-                links[key] = path
-            yield from _tar_file(dir_fd, name, path, st)
-        # Sockets, fifos and device nodes are left out: image layers may not carry them.
-
-
-def _tar_file(dir_fd: int, name: str, path: str, st: os.stat_result) -> Iterator[bytes]:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        if _overlay_xattr(fd, "metacopy") is not None:
-            raise _Unrepresentable(f"file {path} has its data in a lower layer (metacopy)")
-        size = st.st_size
-        yield _encode(_header(path, st, tarfile.REGTYPE, size=size), _read_xattrs(fd))
-        left = size
-        while left > 0:
-            chunk = os.read(fd, min(left, _CHUNK))
-            if not chunk:
-                # The file shrank while we read it; the header already promised `size` bytes.
-                chunk = b"\0" * min(left, _CHUNK)
-            left -= len(chunk)
-            yield chunk
-        padding = -size % _BLOCK
-        if padding:
-            yield b"\0" * padding
-    finally:
-        os.close(fd)
-
-
-def _next_batch(stream: Iterator[bytes]) -> bytes:
-    parts: list[bytes] = []
-    held = 0
-    for part in stream:
-        parts.append(part)
-        held += len(part)
-        if held >= _CHUNK:
-            break
-    return b"".join(parts)
-
-
-async def _in_thread_chunks(upper: Path) -> AsyncGenerator[bytes, None]:
-    stream = _upper_tar(upper)
-    try:
-        while True:
-            try:
-                batch = await trio.to_thread.run_sync(_next_batch, stream)
-            except _Unrepresentable as exc:
-                raise LayerError(
-                    ErrorCode.FAILED_PRECONDITION,
-                    f"the filesystem changes in {upper} cannot be written as an image layer: "
-                    f"{exc}; this agent mounts overlays with redirect_dir and metacopy off",
-                ) from None
-            except OSError as exc:
-                raise LayerError(
-                    ErrorCode.INTERNAL, f"reading the filesystem changes in {upper} failed: {exc}"
-                ) from None
-            if not batch:
-                return
-            yield batch
-    finally:
-        stream.close()
-
-
-async def write_layer(upper: Path, store: ObjectStore) -> tuple[str, int, str]:
-    """Write an overlay upper dir into `store` as an uncompressed OCI layer.
-
-    Returns (digest, size, diff_id); the layer is uncompressed, so digest == diff_id.
-    Overlay whiteouts become `.wh.NAME` and opaque dirs `.wh..wh..opq`. The container
-    should be paused or stopped: a file changing while it is read is stored torn.
-    """
-    chunks = _in_thread_chunks(upper)
-    async with contextlib.aclosing(chunks):
-        stored = await store.ingest(chunks)
-    return stored.digest, stored.size, stored.digest

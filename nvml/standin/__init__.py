@@ -53,7 +53,7 @@ def nvml_include_dir() -> Path:
             return header.parent
     raise StandinError(
         "NVIDIA's nvml.h was not found: install the PyPI package nvidia-nvml-dev (it is in "
-        "levers9's test dependencies: pip install -e '.[test]')"
+        "levers9's sim and test dependencies: pip install 'levers9[sim]')"
     )
 
 

@@ -22,16 +22,12 @@ message carries them.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import json
 import logging
-import os
-import re
 import secrets
 import ssl
-import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -50,6 +46,15 @@ from agent.api.reference import (
     registry_address,
     registry_scheme,
 )
+from agent.runtime.images.auth import (
+    MAX_TOKEN_BYTES,
+    TOKEN_MARGIN_S,
+    Challenge,
+    RegistryCredentials,
+    basic_authorization,
+    parse_challenges,
+    parse_token,
+)
 from agent.runtime.images.manifests import (
     MANIFEST_ACCEPT,
     MAX_INDEX_DEPTH,
@@ -65,15 +70,13 @@ from agent.runtime.images.manifests import (
     parse_image_config,
     parse_manifest,
 )
+from agent.runtime.images.tags import TagIndex
 from agent.store.objects import ObjectCorrupt, ObjectStore
 from agent.wire.errors import ApiError, ErrorCode
 
 log = logging.getLogger("levers9.images")
-_MAX_TOKEN_BYTES = 1 << 20
 _MAX_ERROR_BYTES = 64 << 10
 _MAX_REDIRECTS = 5
-# A token is refreshed this long before the registry would refuse it.
-_TOKEN_MARGIN_S = 10.0
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 # Transfers may take long, but a connection that says nothing for this long is dead.
 _TIMEOUT = httpx.Timeout(60.0, connect=30.0, pool=None)
@@ -82,14 +85,6 @@ _USER_AGENT = "levers9-agent"
 
 class _Truncated(ImageError):
     """A blob's body ended before its size; fetched again once, like a digest mismatch."""
-
-
-@attrs.frozen
-class RegistryCredentials:
-    """Credentials for one pull; the password never shows in a repr."""
-
-    username: str = ""
-    password: str = attrs.field(default="", repr=False)
 
 
 @attrs.frozen
@@ -124,46 +119,6 @@ class PullProgress:
     phase: str = "resolving"
     done_bytes: int = 0
     total_bytes: int = 0
-
-
-@attrs.frozen
-class Challenge:
-    """One `WWW-Authenticate` challenge: `scheme` lowercased, parameter names lowercased."""
-
-    scheme: str
-    params: Mapping[str, str]
-
-
-_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
-_CHALLENGE_PART_RE = re.compile(
-    rf"\s*,?\s*(?:(?P<key>{_TOKEN})\s*=\s*(?:\"(?P<quoted>(?:[^\"\\]|\\.)*)\"|(?P<bare>[^,\s]*))"
-    rf"|(?P<scheme>{_TOKEN}))"
-)
-
-
-def parse_challenges(values: Sequence[str]) -> list[Challenge]:
-    """Parse `WWW-Authenticate` values into challenges (several may share one header)."""
-    challenges: list[Challenge] = []
-    for value in values:
-        scheme: str | None = None
-        params: dict[str, str] = {}
-        position = 0
-        while position < len(value):
-            match = _CHALLENGE_PART_RE.match(value, position)
-            if match is None or match.end() == position:
-                break
-            position = match.end()
-            if match["scheme"] is not None:
-                if scheme is not None:
-                    challenges.append(Challenge(scheme, params))
-                scheme, params = match["scheme"].lower(), {}
-            elif scheme is not None:
-                quoted = match["quoted"]
-                raw = re.sub(r"\\(.)", r"\1", quoted) if quoted is not None else match["bare"]
-                params[match["key"].lower()] = raw
-        if scheme is not None:
-            challenges.append(Challenge(scheme, params))
-    return challenges
 
 
 def _registry_errors(body: bytes) -> list[str]:
@@ -221,71 +176,6 @@ def _unreachable(address: str, exc: httpx.HTTPError) -> ImageError:
 
 def _digest_of(data: bytes) -> str:
     return f"sha256:{hashlib.sha256(data).hexdigest()}"
-
-
-class TagIndex:
-    """reference -> digest of what the tag named when it was last pulled, in one JSON file.
-
-    Written whole (temp file, fsync, rename) under a lock; a file that cannot be read is
-    treated as empty, which only costs a registry round trip."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = trio.Lock()
-        self._tags: dict[str, str] | None = None
-
-    def _load(self) -> dict[str, str]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            log.warning("tag index %s is unreadable (%s); starting it afresh", self.path, exc)
-            return {}
-        tags = data.get("tags") if isinstance(data, dict) else None
-        if not isinstance(tags, dict):
-            return {}
-        return {k: v for k, v in tags.items() if isinstance(v, str) and DIGEST_RE.fullmatch(v)}
-
-    def _write(self, tags: dict[str, str]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"version": 1, "tags": tags}, indent=1, sort_keys=True).encode()
-        fd, temp = tempfile.mkstemp(prefix=".tags-", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(body)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temp, self.path)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
-        directory = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-
-    async def get(self, reference: str) -> str | None:
-        async with self._lock:
-            if self._tags is None:
-                self._tags = await trio.to_thread.run_sync(self._load)
-            return self._tags.get(reference)
-
-    async def put(self, reference: str, digest: str) -> None:
-        async with self._lock:
-            if self._tags is None:
-                self._tags = await trio.to_thread.run_sync(self._load)
-            if self._tags.get(reference) == digest:
-                return
-            tags = {**self._tags, reference: digest}
-            try:
-                await trio.to_thread.run_sync(self._write, tags)
-            except OSError as exc:
-                # The pull itself succeeded; the next one just asks the registry again.
-                log.warning("tag index %s could not be written: %s", self.path, exc)
-                return
-            self._tags = tags
 
 
 @attrs.define(eq=False)
@@ -823,7 +713,7 @@ class ImagePuller:
                 return f"Bearer {token[0]}"
             del self._tokens[key]
         if session.credentials is not None and session.ref.registry in self._basic_registries:
-            return _basic(session.credentials)
+            return basic_authorization(session.credentials)
         return None
 
     async def _send(
@@ -992,7 +882,7 @@ class ImagePuller:
             params["service"] = challenge.params["service"]
         headers = {}
         if session.credentials is not None:
-            headers["Authorization"] = _basic(session.credentials)
+            headers["Authorization"] = basic_authorization(session.credentials)
         response = await self._send(address, url.copy_merge_params(params), headers)
         try:
             token_session = attrs.evolve(session, address=address)
@@ -1016,40 +906,19 @@ class ImagePuller:
                     f"{response.status_code}; retry later",
                     field="image",
                 )
-            body = await self._read_capped(token_session, response, _MAX_TOKEN_BYTES, "a token")
+            body = await self._read_capped(token_session, response, MAX_TOKEN_BYTES, "a token")
         finally:
             with trio.CancelScope(shield=True):
                 await response.aclose()
-        token, expires_in = _parse_token(body)
+        token, expires_in = parse_token(body)
         if token is None:
             raise ImageError(
                 ErrorCode.UNAVAILABLE,
                 f"token server {address} of registry {session.address} sent no token",
                 field="image",
             )
-        expires_at = trio.current_time() + max(expires_in - _TOKEN_MARGIN_S, 1.0)
+        expires_at = trio.current_time() + max(expires_in - TOKEN_MARGIN_S, 1.0)
         self._tokens[(session.ref.registry, session.ref.scope, session.credentials_id)] = (
             token,
             expires_at,
         )
-
-
-def _basic(credentials: RegistryCredentials) -> str:
-    raw = f"{credentials.username}:{credentials.password}".encode()
-    return f"Basic {base64.b64encode(raw).decode('ascii')}"
-
-
-def _parse_token(body: bytes) -> tuple[str | None, float]:
-    """`token` (or OAuth2's `access_token`) and its lifetime; 60 s when not given, as the
-    token spec says."""
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None, 0.0
-    if not isinstance(data, dict):
-        return None, 0.0
-    token = data.get("token") or data.get("access_token")
-    expires_in = data.get("expires_in")
-    if not isinstance(expires_in, int | float) or isinstance(expires_in, bool) or expires_in < 60:
-        expires_in = 60
-    return (token if isinstance(token, str) and token else None), float(expires_in)

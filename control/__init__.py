@@ -1,2 +1,4 @@
-"""The levers9 controlplane: public HTTPS endpoints, the tunnel acceptor, the worker registry,
-and the `levers9` CLI. It reaches workers only through the client that `agent.api.client` ships."""
+"""The levers9 controlplane: public HTTPS endpoints (`control.api`), the tunnel acceptor and
+worker registry, the Kubernetes provider (`control.kube`), task records and dispatch
+(`control.tasks`), and the `levers9` CLI (`control.cli`). It reaches workers only through the
+worker API (`agent.api`) over the shared transport (`agent.wire`)."""

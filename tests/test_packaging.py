@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,6 +13,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_wheel_ships_the_simulator_and_its_data_but_not_the_tests(tmp_path: Path) -> None:
+    # Built from a copy, so that setuptools' build/ folder is not left in the work tree.
+    source = tmp_path / "source"
+    shutil.copytree(
+        REPO,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", "bench-results"
+        ),
+    )
     subprocess.run(
         [
             sys.executable,
@@ -22,7 +32,7 @@ def test_the_wheel_ships_the_simulator_and_its_data_but_not_the_tests(tmp_path: 
             "--no-deps",
             "-w",
             str(tmp_path),
-            str(REPO),
+            str(source),
         ],
         check=True,
         capture_output=True,

@@ -30,6 +30,7 @@ from typing import Any
 import trio
 
 from bench.report import render_table, write_report
+from control.models import WorkerState
 from control.kube.planner import (
     PoolSettings,
     Selector,
@@ -131,7 +132,7 @@ def build_cluster(
         }
         pods.append(worker_pod)
         heartbeat = NOW - (700.0 if index % 150 == 0 else 20.0)
-        records.append(WorkerRecord(name, node, "ready", NOW - 3600.0, heartbeat))
+        records.append(WorkerRecord(name, node, WorkerState.READY, NOW - 3600.0, heartbeat))
     return nodes, pods, jobs, records
 
 

@@ -3,22 +3,25 @@
 `levers9-control serve --config FILE [--config FILE ...]` reads each file, merges later
 files over earlier ones (mappings merge key by key, anything else is replaced; the private
 values file holding keys is a second file), takes the `config:` block and structures it into
-frozen attrs with one cattrs converter. Unknown keys and bad values are refused with the
-dotted path of the field; secrets (worker tokens, API tokens) are hidden from every repr.
+frozen attrs with this module's own cattrs converter (camelCase keys as in the values; the
+worker API's wire converter is another boundary and changes for its own reasons). Unknown keys
+and bad values are refused with the dotted path of the field; secrets (worker tokens, API
+tokens) are hidden from every repr.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import cattrs
 import yaml
+from cattrs.gen import make_dict_structure_fn, override
 
 from agent.api.models import GcsCredentials, S3Credentials
-from agent.wire.errors import ApiError, structure
 
 WORKSPACE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
@@ -173,18 +176,50 @@ def parse(values: Mapping[str, Any]) -> ControlConfig:
     block = values.get("config")
     if not isinstance(block, Mapping):
         raise ConfigError("the values have no 'config:' mapping; put the settings under config:")
-    try:
-        config = _structure(block)
-    except ApiError as exc:
-        where = f"config.{exc.field}" if exc.field else "config"
-        what = exc.message.split(": ", 1)[-1]
-        raise ConfigError(f"{where}: {what}") from None
+    config = _structure(block)
     _validate(config)
     return config
 
 
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def _make_converter() -> cattrs.Converter:
+    """The config's converter: camelCase keys (as the Helm values spell them), unknown keys
+    refused, so a misspelt setting is an error rather than a default silently kept."""
+    converter = cattrs.Converter(forbid_extra_keys=True)
+
+    def structure_factory(cls: type[Any]) -> Callable[[Any, Any], Any]:
+        overrides = {a.name: override(rename=_camel(a.name)) for a in attrs.fields(cls)}
+        return make_dict_structure_fn(
+            cls,
+            converter,
+            _cattrs_forbid_extra_keys=True,
+            **overrides,  # type: ignore[arg-type]
+        )
+
+    converter.register_structure_hook_factory(attrs.has, structure_factory)
+    return converter
+
+
+_CONVERTER = _make_converter()
+
+
 def _structure(block: Mapping[str, Any]) -> ControlConfig:
-    return structure(dict(block), ControlConfig)
+    """The typed config, or a `ConfigError` naming the first bad field by its dotted path
+    (`config.worker.tokens[0].token: required field missing`)."""
+    try:
+        return _CONVERTER.structure(dict(block), ControlConfig)
+    except Exception as exc:
+        problems = cattrs.transform_error(exc, path="config")
+        first = problems[0] if problems else f"invalid ({exc})"
+        what, _, at = first.partition(" @ ")
+        where = ".".join(_camel(part) for part in at.split(".")) if at else "config"
+        if len(problems) > 1:
+            what += f" (and {len(problems) - 1} more problem(s))"
+        raise ConfigError(f"{where}: {what}") from None
 
 
 def _validate(config: ControlConfig) -> None:

@@ -25,13 +25,51 @@ Pool routes (operator token, `apiTokens`):
 - `PUT /v1/pools/{name}` (the pool block as `config.worker.pools` takes it, credentials
   included) → `PoolView`: what `levers9 cluster join` calls; creates or replaces a joined pool
 - `DELETE /v1/pools/{name}` → `PoolView`: a joined pool's workers are removed, then the pool
+
+Machine route (an operator or a workspace token):
+
+- `GET /v1/machines` → `MachineList`: every pool's machines as its last reconcile saw them, and
+  how that pass went
+
+States are `enum.StrEnum`s, not plain enums: on the wire and in `--json` they are their
+lowercase words, and scripts comparing `view.state == "running"` keep working.
 """
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
-from agent.api.models import PullStatus
+from agent.api.models import PullStatus, WorkerSummary
+
+
+class TaskState(enum.StrEnum):
+    """Where a task is in its life; the transition table is `control.tasks.store.TRANSITIONS`."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED, TaskState.LOST})
+
+
+class WorkerState(enum.StrEnum):
+    """A pool's worker (its Job) as the controlplane sees it: pending from the Job's creation
+    until the agent registers, then ready; stopping while its pod winds down with no Job left."""
+
+    PENDING = "pending"
+    READY = "ready"
+    STOPPING = "stopping"
 
 
 @attrs.frozen
@@ -63,13 +101,13 @@ class TaskRequest:
 
 @attrs.frozen
 class TaskView:
-    """A task as the API reports it. `state` is pending, starting, running, succeeded, failed,
-    cancelled or lost; `waiting` says why a pending task has no worker yet; `pull` is the image
-    pull's progress while the task starts; `card_ids` are the UUIDs of the cards it got."""
+    """A task as the API reports it. `waiting` says why a pending task has no worker yet;
+    `pull` is the image pull's progress while the task starts; `card_ids` are the UUIDs of the
+    cards it got."""
 
     id: str
     workspace: str
-    state: str
+    state: TaskState
     image: str
     created_at: float
     command: tuple[str, ...] | None = None
@@ -94,7 +132,7 @@ class TaskView:
 
     @property
     def terminal(self) -> bool:
-        return self.state in ("succeeded", "failed", "cancelled", "lost")
+        return self.state.terminal
 
 
 @attrs.frozen
@@ -136,3 +174,68 @@ class PoolList:
     pools: tuple[PoolView, ...]
     joined_pools: bool = False
     """Whether this controlplane keeps joined pools (`config.joinedPools`, store readable)."""
+
+
+@attrs.frozen
+class CardCounts:
+    """A machine's cards: all of them, those our worker holds, those other pods hold, and
+    those free."""
+
+    total: int
+    ours: int
+    others: int
+    free: int
+
+
+@attrs.frozen
+class MachineWorker:
+    """Our worker on a machine, and how long it has been in that state."""
+
+    state: WorkerState
+    age_seconds: float
+
+
+@attrs.frozen
+class MachineView:
+    """A node a pool can place a worker on, with what the node's scheduler leaves free on it
+    (the `levers9 machine list --json` shape). `worker` is None where no worker of ours is."""
+
+    pool: str
+    node: str
+    gpu_model: str | None
+    cards: CardCounts
+    cpu_free_millis: int
+    memory_free_bytes: int
+    worker: MachineWorker | None = None
+
+
+@attrs.frozen
+class SkippedNode:
+    """A node of a pool that is not a machine, and why (not ready, no cards, tainted...)."""
+
+    node: str
+    reason: str
+
+
+@attrs.frozen
+class PoolPass:
+    """How a pool's last reconcile went: when it passed (None before the first), the error
+    it failed with, the nodes it left out."""
+
+    pool: str
+    passed_at: float | None = None
+    error: str | None = None
+    skipped: tuple[SkippedNode, ...] = ()
+
+
+@attrs.frozen
+class MachineList:
+    machines: tuple[MachineView, ...]
+    pools: tuple[PoolPass, ...] = ()
+
+
+@attrs.frozen
+class WorkerList:
+    """`GET /v1/workers`: every registered worker (operator token)."""
+
+    workers: tuple[WorkerSummary, ...]

@@ -113,13 +113,13 @@ async def _check_machines(client: ControlClient) -> None:
     """Both nodes are machines with a worker; the neighbour's cards count as others'."""
     with _deadline("GET /v1/machines", CALL_S):
         listing = await client.machines()
-    machines = {m["node"]: m for m in listing.get("machines", [])}
+    machines = {m.node: m for m in listing.machines}
     for node in (DIRECT_NODE, TUNNEL_NODE):
         if node not in machines:
             raise DemoFailed(f"machine list: node {node} is missing (it lists {sorted(machines)})")
-        if not machines[node].get("worker"):
+        if machines[node].worker is None:
             raise DemoFailed(f"machine list: node {node} shows no worker")
-    others = machines[TUNNEL_NODE]["cards"]["others"]
+    others = machines[TUNNEL_NODE].cards.others
     if others != NEIGHBOUR_CARDS:
         raise DemoFailed(
             f"machine list: node {TUNNEL_NODE} shows {others} cards held by others, "

@@ -30,10 +30,11 @@ from agent.api.exec import parse_request, unframe
 from agent.api.models import ExecExit, ExecRequest, LogLine, PullStatus
 from agent.wire.client import open_api_client
 from agent.wire.connection import Http2Connection
-from agent.wire.errors import ApiError, ErrorCode, dumps, unstructure
+from agent.wire.errors import ApiError, ErrorCode, dumps, loads, unstructure
 from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
 from agent.wire.service import JsonResponse, Request, Router, Service, StreamResponse, bearer_auth
 from agent.wire.tls import TLSStream
+from control.api.server import machine_list
 from control.cli.client import ControlClient, ControlClientError, open_control_client
 from control.cli.exec import FdReader, exec_session
 from control.cli.main import main, parse_args
@@ -41,9 +42,9 @@ from control.cli.output import (
     TASK_HEADERS,
     Console,
     Progress,
-    _table,
     deadline_message,
     format_details,
+    render_table,
     task_details,
     task_outcome,
     task_row,
@@ -54,12 +55,24 @@ from control.cli.parse import (
     parse_env,
     parse_local,
     parse_memory,
+    parse_states,
     parse_volume,
     request_from_args,
 )
 from control.cli.port import forward_port
 from control.cli.tasks import follow_run
-from control.models import TaskList, TaskRequest, TaskSnapshot, TaskView, TaskVolume
+from control.kube.loop import PoolStatus
+from control.kube.planner import Cards, Machine, NotAMachine, WorkerView
+from control.models import (
+    MachineList,
+    TaskList,
+    TaskRequest,
+    TaskSnapshot,
+    TaskState,
+    TaskView,
+    TaskVolume,
+    WorkerState,
+)
 from sim.configs import make_pki
 
 TOKEN = "cli-test-token-0123456789"
@@ -69,7 +82,9 @@ NOW = 1_800_000_000.0
 
 def view(state: str = "pending", **fields: Any) -> TaskView:
     fields.setdefault("id", "t-1")
-    return TaskView(workspace="ws", state=state, image="busybox", created_at=NOW, **fields)
+    return TaskView(
+        workspace="ws", state=TaskState(state), image="busybox", created_at=NOW, **fields
+    )
 
 
 # -- the stand-in controlplane ---------------------------------------------------------------------
@@ -89,6 +104,7 @@ class FakeControlplane:
     cancelled: list[str] = attrs.field(factory=list)
     exec_requests: list[ExecRequest] = attrs.field(factory=list)
     started: trio.Event = attrs.field(factory=trio.Event)
+    machines: MachineList = MachineList(())
     url: str = ""
     ca: str = ""
 
@@ -159,6 +175,10 @@ class FakeControlplane:
             await ws.send_message(b"\x02" + b"to stderr\n")
             await ws.send_message(dumps(ExecExit(exit_code=self.exec_exit)).decode())
 
+        async def machines(request: Request) -> MachineList:
+            return self.machines
+
+        router.add("GET", "/v1/machines", machines)
         router.add("POST", "/v1/tasks", create)
         router.add("GET", "/v1/tasks", listing)
         router.add("GET", "/v1/tasks/{id}", get)
@@ -356,6 +376,16 @@ def test_bad_run_values_name_the_option(argv: list[str], option: str) -> None:
         request_from_args(run_args(*argv, "busybox"), {})
 
 
+def test_state_filters_take_the_task_states_words() -> None:
+    assert parse_states("running, pending,") == (TaskState.RUNNING, TaskState.PENDING)
+    words = "pending,starting,running,succeeded,failed,cancelled,lost"
+    assert [s.value for s in parse_states(words)] == words.split(",")
+    with pytest.raises(
+        UsageError, match=f"--state 'Running' is not a task state; give some of {words}"
+    ):
+        parse_states("Running")
+
+
 def test_bad_command_lines_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--memory", "lots", "busybox"]) == 2
     err = capsys.readouterr().err
@@ -388,7 +418,7 @@ def test_missing_controlplane_or_token_says_what_to_set(
 def test_task_rows_show_why_a_task_waits_or_ended() -> None:
     waiting = view("pending", waiting="waiting: 2 cards asked, at most 1 free on any worker")
     done = view("failed", id="t-2", worker="w-1", exit_code=137, reason="out of memory", cards=1)
-    table = _table(TASK_HEADERS, [task_row(v, NOW + 75) for v in (waiting, done)])
+    table = render_table(TASK_HEADERS, [task_row(v, NOW + 75) for v in (waiting, done)])
     header, first, second = table.splitlines()
     assert header.split() == ["ID", "STATE", "IMAGE", "CARDS", "WORKER", "AGE", "EXIT", "REASON"]
     assert first.split()[:7] == ["t-1", "pending", "busybox", "0", "-", "1m15s", "-"]
@@ -650,6 +680,83 @@ async def test_task_logs(fake: FakeControlplane, capsys: pytest.CaptureFixture[s
     fake.started.set()
     assert await levers9(fake, "task", "logs", "-f", "t-1") == 0
     assert capsys.readouterr() == ("one\n", "two\n")
+
+
+# -- levers9 machine list --------------------------------------------------------------------------
+
+MACHINES = (
+    Machine(
+        pool="gpu",
+        node="node-7",
+        hostname="node-7.internal",
+        gpu_model="nvidia-tesla-a100",
+        cards=Cards(total=4, ours=0, others=1, free=3),
+        cpu_free_millis=6000,
+        memory_free_bytes=28 << 30,
+        worker=WorkerView(WorkerState.READY, 93.7),
+    ),
+    Machine(
+        pool="gpu",
+        node="node-8",
+        hostname="node-8.internal",
+        gpu_model=None,
+        cards=Cards(total=2, ours=2, others=0, free=0),
+        cpu_free_millis=1500,
+        memory_free_bytes=3 << 29,
+        worker=None,
+    ),
+)
+PASSES = (
+    PoolStatus(
+        pool="gpu", machines=MACHINES, skipped=(NotAMachine("node-9", "no cards"),), passed_at=NOW
+    ),
+    PoolStatus(pool="tpu", error="cannot list nodes: 403 Forbidden"),
+)
+
+
+def route_as_it_was(statuses: Sequence[PoolStatus]) -> dict[str, Any]:
+    """`GET /v1/machines` as the route built it by hand before it had models."""
+    return {
+        "machines": [m.to_json() for status in statuses for m in status.machines],
+        "pools": [
+            {
+                "pool": status.pool,
+                "passedAt": status.passed_at,
+                "error": status.error,
+                "skipped": [{"node": n.node, "reason": n.reason} for n in status.skipped],
+            }
+            for status in statuses
+        ],
+    }
+
+
+@pytest.mark.parametrize("worker", [None, "pending", "ready", "stopping"])
+def test_the_machine_list_on_the_wire_is_the_json_it_always_was(worker: str | None) -> None:
+    machine = attrs.evolve(
+        MACHINES[0], worker=None if worker is None else WorkerView(WorkerState(worker), 12.5)
+    )
+    statuses = [attrs.evolve(PASSES[0], machines=(machine, MACHINES[1])), PASSES[1]]
+    body = dumps(machine_list(statuses))
+    assert body == dumps(route_as_it_was(statuses))
+    assert dumps(loads(body, MachineList)) == body
+
+
+async def test_machine_list(fake: FakeControlplane, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.machines = machine_list(PASSES)
+    assert await levers9(fake, "machine", "list", "--json") == 0
+    out, err = capsys.readouterr()
+    assert out == json.dumps([m.to_json() for m in MACHINES], indent=2) + "\n"
+    assert err == ""
+    assert await levers9(fake, "machine", "list") == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "POOL  NODE    GPU                CARDS T/OURS/OTHERS/FREE  "
+        "CPU FREE  MEM FREE  WORKER  AGE",
+        "gpu   node-7  nvidia-tesla-a100  4/0/1/3                   "
+        "6000m     28.0Gi    ready   93s",
+        "gpu   node-8  -                  2/2/0/0                   1500m     1.5Gi     -       -",
+    ]
+    assert err == "pool tpu: last pass failed: cannot list nodes: 403 Forbidden\n"
 
 
 # -- levers9 exec ----------------------------------------------------------------------------------

@@ -9,13 +9,33 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from kubernetes import client as k8s
 
-from control.kube.join import CLUSTER_RULES, NAMESPACE_RULES, manifests, pool_block
+from agent.wire.errors import ErrorCode
+from control.kube.adapter import (
+    KubeAuthError,
+    KubeError,
+    KubeUnavailable,
+    KubeUnreachable,
+)
+from control.kube.join import (
+    CLUSTER_RULES,
+    NAMESPACE_RULES,
+    SERVICE_ACCOUNT,
+    TOKEN_SECRET,
+    ClusterSide,
+    JoinError,
+    manifests,
+    open_cluster_side,
+    pool_block,
+)
 from control.kube.pools import load_pools
 from sim.cluster import OWN_NAMESPACE, POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
 from sim.kubeapi.store import KubeStandin
@@ -304,8 +324,6 @@ def test_the_join_manifests_grant_only_what_the_controlplane_uses() -> None:
 
 
 def test_a_joined_block_loads_as_a_configured_one() -> None:
-    import trustme
-
     block = pool_block(
         name="gpus",
         flavor="gke",
@@ -324,22 +342,157 @@ def test_a_joined_block_loads_as_a_configured_one() -> None:
     assert base64.b64decode(block["kubernetes"]["caData"]).startswith(b"-----BEGIN")
 
 
-def test_a_file_that_is_not_a_kubeconfig_is_named(tmp_path: Path) -> None:
-    from control.kube.join import JoinError, open_cluster_side
-
+async def test_a_file_that_is_not_a_kubeconfig_is_named(tmp_path: Path) -> None:
     for text in ("just some text\n", "- a\n- list\n", "{unclosed: [\n"):
         path = tmp_path / "not-a-kubeconfig"
         path.write_text(text)
         with pytest.raises(JoinError) as refused:
-            open_cluster_side(str(path), None)
-        assert str(path) in str(refused.value)
-        assert "--kubeconfig" in str(refused.value)
-    with pytest.raises(JoinError, match="no context 'elsewhere'"):
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(
-            "apiVersion: v1\nkind: Config\n"
-            "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
-            "users: [{name: u, user: {token: t}}]\n"
-            "contexts: [{name: here, context: {cluster: c, user: u}}]\ncurrent-context: here\n"
+            async with open_cluster_side(str(path), None):
+                pass
+        assert str(refused.value) == (
+            f"{path} is not a kubeconfig (clusters, users, contexts); point --kubeconfig at one"
         )
-        open_cluster_side(str(kubeconfig), "elsewhere")
+    missing = tmp_path / "missing"
+    with pytest.raises(JoinError, match=f"cannot use {missing}: .*point --kubeconfig at a"):
+        async with open_cluster_side(str(missing), None):
+            pass
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: here, context: {cluster: c, user: u}}]\ncurrent-context: here\n"
+    )
+    with pytest.raises(
+        JoinError, match=r"no context 'elsewhere'; pick one with --context \(here\)"
+    ):
+        async with open_cluster_side(str(kubeconfig), "elsewhere"):
+            pass
+
+
+async def test_a_rerun_keeps_what_it_should_and_leave_twice_finds_it_gone(
+    kube: KubeStandin, kubeconfig: Path
+) -> None:
+    async with open_cluster_side(str(kubeconfig), None) as side:
+        first = await side.apply("team")
+        again = await side.apply("team")
+        assert first.token == kube.service_account_token(TOKEN_SECRET, "team")
+        assert again.token == first.token
+        assert first.endpoint == kube.url and first.ca_pem == kube.ca_pem
+        assert first.token not in repr(first)
+        assert again.steps == (
+            "namespace team: exists, kept",
+            f"serviceaccount team/{SERVICE_ACCOUNT}: exists, kept",
+            "clusterrole levers9-controlplane-team: updated",
+            "clusterrolebinding levers9-controlplane-team: updated",
+            f"role team/{SERVICE_ACCOUNT}: updated",
+            f"rolebinding team/{SERVICE_ACCOUNT}: updated",
+            f"secret team/{TOKEN_SECRET}: exists, kept",
+        )
+        left = await side.remove("team", delete_namespace=False)
+        assert left[-1] == f"serviceaccount team/{SERVICE_ACCOUNT}: deleted"
+        gone = await side.remove("team", delete_namespace=False)
+        assert all(step.endswith(": already gone") for step in gone), gone
+    assert kube.get("namespaces", "team") is not None  # kept without --delete-namespace
+
+
+async def test_an_api_that_cannot_be_reached_or_trusted_says_so(
+    tmp_path: Path, kube: KubeStandin
+) -> None:
+    # A loopback port nobody listens on: refused at once, nothing leaves the host.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    closed = _kubeconfig(tmp_path / "closed", f"https://127.0.0.1:{port}", kube.ca_pem)
+    with pytest.raises(JoinError) as refused:
+        async with open_cluster_side(str(closed), None) as side:
+            await side.apply("levers9")
+    message = str(refused.value)
+    assert message.startswith("cannot read namespace levers9: ")
+    assert f"https://127.0.0.1:{port} cannot be reached" in message
+    assert "check kubeconfig context 'c'" in message
+
+    other_ca = trustme.CA().cert_pem.bytes()
+    untrusted = _kubeconfig(tmp_path / "untrusted", kube.url, other_ca)
+    with pytest.raises(JoinError, match="cannot be reached \\(TLS verification failed\\)"):
+        async with open_cluster_side(str(untrusted), None) as side:
+            await side.apply("levers9")
+
+
+def _kubeconfig(path: Path, server: str, ca_pem: bytes) -> Path:
+    ca = base64.b64encode(ca_pem).decode()
+    path.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: c, cluster: {{server: '{server}', "
+        f"certificate-authority-data: {ca}}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\ncurrent-context: c\n"
+    )
+    return path
+
+
+class _Failing:
+    """The adapter's seam, answering every read with one error."""
+
+    def __init__(self, error: KubeError) -> None:
+        self.error = error
+
+    async def read_object(
+        self, kind: str, name: str, namespace: str | None = None
+    ) -> dict[str, Any] | None:
+        raise self.error
+
+    async def create_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        raise self.error
+
+    async def replace_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        raise self.error
+
+    async def delete_object(self, kind: str, name: str, namespace: str | None = None) -> bool:
+        raise self.error
+
+    async def read_secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        raise self.error
+
+    async def wait_secret_value(self, namespace: str, name: str, key: str) -> str:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "says"),
+    [
+        (
+            KubeAuthError(ErrorCode.UNAUTHENTICATED, "x", status=401),
+            "cannot read namespace levers9: the cluster did not accept the credentials of "
+            "kubeconfig context 'ctx' (401); log in again",
+        ),
+        (
+            KubeAuthError(ErrorCode.PERMISSION_DENIED, "x", status=403),
+            "cannot read namespace levers9: kubeconfig context 'ctx' is not allowed to (403); "
+            "cluster join needs an identity that may create namespaces, ServiceAccounts, "
+            "Secrets and RBAC roles and bindings (cluster-admin)",
+        ),
+        (
+            KubeUnavailable("x", status=503),
+            "cannot read namespace levers9: the cluster answered 503 Service Unavailable",
+        ),
+        (
+            KubeError(ErrorCode.INVALID_ARGUMENT, "x", status=422),
+            "cannot read namespace levers9: the cluster answered 422 Unprocessable",
+        ),
+        (
+            KubeUnreachable("x", failure="MaxRetryError"),
+            "cannot read namespace levers9: the cluster's API at https://api.example:6443 "
+            "cannot be reached (MaxRetryError); check kubeconfig context 'ctx'",
+        ),
+    ],
+)
+async def test_the_adapters_errors_are_worded_for_the_operator(error: KubeError, says: str) -> None:
+    side = ClusterSide(
+        _Failing(error), endpoint="https://api.example:6443", ca_pem=b"", context="ctx"
+    )
+    with pytest.raises(JoinError) as refused:
+        await side.apply("levers9")
+    assert str(refused.value).startswith(says)
+    with pytest.raises(JoinError, match=r"^cannot delete clusterrolebinding "):
+        await side.remove("levers9", delete_namespace=True)

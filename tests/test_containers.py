@@ -42,12 +42,12 @@ from agent.gpus.edits import discover_node_files
 from agent.gpus.ledger import CardLedger
 from agent.runtime.config import ContainerConfig
 from agent.runtime.manager import ContainerManager, open_container_manager
-from agent.runtime.records import Gpus
+from agent.runtime.records import ContainerRecord, Gpus
 from agent.runtime.rootfs import overlay_mounts_under
 from agent.runtime.routes import add_container_routes, resolve_container
 from agent.runtime.runc import read_cgroup_limits
 from agent.wire.connection import Http2Connection
-from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.errors import ApiError, ErrorCode, dumps, loads
 from agent.wire.service import Service, bearer_auth
 from control.api.server import Controlplane, serve_controlplane
 from sim.configs import control_config, make_pki, read_line
@@ -728,6 +728,69 @@ async def test_a_container_gets_only_its_cards_and_gives_them_back(
             )
         )
         assert two.status().cards == ("GPU-test-0", "GPU-test-1")
+
+
+async def test_a_restarted_agent_stops_containers_whose_cards_are_shared_or_gone(
+    tmp_path: Path, registry: SharedRegistry, make_dev_dir: MakeDevDir, driver_dir: Path
+) -> None:
+    gpu_config = GpuConfig(dev_dir=make_dev_dir(range(4)), driver_dir=driver_dir, cdi_dirs=())
+    files = discover_node_files(gpu_config)
+
+    def gpus_for(*cards: Card) -> Gpus:
+        claim = Claim(source="test", driver_version="550.54.15", cards=cards)
+        return Gpus(ledger=CardLedger.for_claim(claim), files=files, config=gpu_config)
+
+    names = ("keeper", "twin", "moved", "busy")
+    try:
+        # An agent that leaves its containers running when it ends, as a killed one does.
+        async with open_container_manager(
+            state_config(tmp_path, stop_on_shutdown=False), gpus=gpus_for(*map(_card, range(4)))
+        ) as manager:
+            for name in names:
+                await manager.wait_settled(
+                    await manager.create(
+                        ContainerSpec(
+                            image=registry.busybox, id=name, cards=1, command=("sleep", "600")
+                        )
+                    )
+                )
+            assert [manager.get(n).status().cards for n in names] == [
+                (f"GPU-test-{i}",) for i in range(4)
+            ]
+        # Two records name card 0 ...
+        twin = tmp_path / "state" / "containers" / "twin" / "record.json"
+        record = loads(twin.read_bytes(), ContainerRecord)
+        twin.write_bytes(dumps(attrs.evolve(record, cards=("GPU-test-0",))))
+        # ... and the restarted worker is not given card 2, and card 3 does not serve now.
+        refused = attrs.evolve(_card(3), state=CardState.REFUSED, reason="a process runs on it")
+        gpus = gpus_for(_card(0), _card(1), refused)
+        async with open_container_manager(state_config(tmp_path), gpus=gpus) as manager:
+            keeper, twin_status, moved, busy = (manager.get(n).status() for n in names)
+            assert (keeper.state, busy.state) == ("running", "running")
+            assert (twin_status.state, twin_status.error_code) == ("failed", "UNAVAILABLE")
+            assert twin_status.error is not None
+            assert "card GPU-test-0 is named by running containers keeper and twin" in (
+                twin_status.error
+            )
+            assert (moved.state, moved.error_code) == ("failed", "UNAVAILABLE")
+            assert moved.error is not None and "card GPU-test-2" in moved.error
+            assert any("card GPU-test-3" in event for event in busy.events)
+            await assert_nothing_left(manager, "twin")
+            await assert_nothing_left(manager, "moved")
+            # Card 0 stays with keeper and card 3 with busy; card 1 is free again.
+            assert gpus.ledger.in_use() == {"GPU-test-0", "GPU-test-3"}
+            container = await manager.wait_settled(
+                await manager.create(
+                    ContainerSpec(
+                        image=registry.busybox, id="next", cards=1, command=("sleep", "600")
+                    )
+                )
+            )
+            assert container.status().cards == ("GPU-test-1",)
+    finally:
+        # Stops whatever an earlier failure left running.
+        async with open_container_manager(state_config(tmp_path)):
+            pass
 
 
 # -- through the agent and the controlplane --------------------------------------------------------

@@ -5,6 +5,7 @@ and how a stopping dispatcher bounds the clean-ups under way."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,9 @@ import trio
 import trio.testing
 
 from agent.api.models import ContainerStatus
-from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.errors import ApiError, ErrorCode, dumps, loads
 from control.api.tasks import query_limit, query_states, spec_of, workspace_of
-from control.models import TaskRequest
+from control.models import TaskRequest, TaskState, TaskView
 from control.registry import WorkerEntry, WorkerRegistry
 from control.tasks.dispatch import (
     CLEANUP_S,
@@ -26,7 +27,7 @@ from control.tasks.dispatch import (
     keep_tail,
     outcome,
 )
-from control.tasks.store import Exited, Failed, TaskRecord, TaskSpec, TaskState, open_task_store
+from control.tasks.store import Exited, Failed, TaskRecord, TaskSpec, open_task_store
 from control.workspaces import Workspaces
 
 NOW = 1_000.0
@@ -105,6 +106,20 @@ def test_listing_queries_are_checked() -> None:
     for bad in ("0", "1001", "many"):
         with pytest.raises(ApiError, match="limit"):
             query_limit(bad)
+
+
+async def test_a_tasks_state_goes_on_the_wire_as_the_word_it_always_was(tmp_path: Path) -> None:
+    words = ("pending", "starting", "running", "succeeded", "failed", "cancelled", "lost")
+    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
+        dispatcher = Dispatcher(store, WorkerRegistry({}, nursery), Workspaces(()), lost_after_s=1)
+        for state, word in zip(TaskState, words, strict=True):
+            record = TaskRecord("t-1", "a", TaskSpec(image="busybox"), state, created_at=0.0)
+            body = dumps(dispatcher.view(record))
+            assert json.loads(body)["state"] == word
+            back = loads(body, TaskView)
+            assert back.state is state and back.state == word
+            assert back.terminal == (word in ("succeeded", "failed", "cancelled", "lost"))
+        nursery.cancel_scope.cancel()
 
 
 def test_a_snapshot_must_be_a_digest() -> None:

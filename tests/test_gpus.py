@@ -22,7 +22,7 @@ from agent.gpus.claim import (
     parse_visible_devices,
 )
 from agent.gpus.edits import discover_node_files, spec_edits
-from agent.gpus.ledger import CardLedger
+from agent.gpus.ledger import CardConflict, CardLedger, ConflictKind
 from nvml import Link, open_nvml
 from nvml.standin import (
     StandinNode,
@@ -300,27 +300,49 @@ def test_cards_are_released_when_their_container_ends(eight: Claim) -> None:
 
 
 def test_restart_rebuilds_the_ledger_from_running_containers(eight: Claim) -> None:
-    running = {"b": [UUID[4], UUID[5]], "a": [UUID[0]], "z": [UUID[4]]}
-    ledger, problems = CardLedger.rebuild(eight, running)
-    assert ledger.in_use() == {UUID[0], UUID[4], UUID[5]}
+    ledger = CardLedger.for_claim(eight)
+    ledger.assign("gone", 2)  # held before the restart by a container that is not running now
+    running = {"b": [UUID[4], UUID[5]], "a": [UUID[0]], "z": [UUID[4], UUID[6]]}
+    conflicts = ledger.rebuild(running)
+    assert ledger.in_use() == {UUID[0], UUID[4], UUID[5], UUID[6]}
     assert ledger.cards_of("b") == (UUID[4], UUID[5])
-    assert ledger.cards_of("z") == ()
-    assert problems == (
-        f"card {UUID[4]} is held by running containers b and z; it stays with b, stop z",
+    assert ledger.cards_of("z") == (UUID[6],)
+    assert ledger.cards_of("gone") == ()
+    assert conflicts == (CardConflict(ConflictKind.SHARED, UUID[4], "z", holder="b"),)
+    assert conflicts[0].must_stop
+    assert conflicts[0].describe() == (
+        f"card {UUID[4]} is named by running containers b and z; b keeps it and z must stop"
     )
     # Never double-assigned: the next request gets exactly the cards no running container holds.
     held = ledger.in_use()
-    assert {UUID[i] for i in indices(ledger.assign("new", 5))} == set(UUID) - held
+    assert {UUID[i] for i in indices(ledger.assign("new", 4))} == set(UUID) - held
     assert isinstance(ledger.assign("more", 1), Refusal)
+    # Stopping the container that must stop gives back only what it alone held.
+    assert ledger.release("z") == (UUID[6],)
+    assert ledger.holder(UUID[4]) == "b"
 
 
 def test_a_running_container_keeps_a_card_no_longer_served(describe_node: DescribeNode) -> None:
     describe_node(nvlinked_node(2, {1: {"processes": (StandinProcess(pid=500),)}}))
     claim = claim_for("all")  # pid 500 is a container from before the restart, not known yet
-    ledger, problems = CardLedger.rebuild(claim, {"old": [UUID[1]]})
+    ledger = CardLedger.for_claim(claim)
+    conflicts = ledger.rebuild({"old": [UUID[1]]})
     assert UUID[1] in ledger.in_use()
-    assert "does not serve now" in problems[0]
+    assert conflicts == (CardConflict(ConflictKind.NOT_SERVING, UUID[1], "old"),)
+    assert not conflicts[0].must_stop
+    assert "does not serve now" in conflicts[0].describe()
     assert indices(ledger.assign("new", 1)) == [0]
+
+
+def test_a_card_no_longer_given_to_the_worker_stops_its_container(eight: Claim) -> None:
+    claim = claim_for("0,1")
+    ledger = CardLedger.for_claim(claim)
+    conflicts = ledger.rebuild({"moved": [UUID[0], UUID[5]]})
+    assert conflicts == (CardConflict(ConflictKind.NOT_CLAIMED, UUID[5], "moved"),)
+    assert conflicts[0].must_stop
+    assert UUID[5] in conflicts[0].describe()
+    assert ledger.release("moved") == (UUID[0], UUID[5])
+    assert ledger.free_count() == 2
 
 
 # -- OCI spec edits -------------------------------------------------------------------------------

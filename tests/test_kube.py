@@ -1,7 +1,8 @@
 """The Kubernetes adapter: tokens by flavor, error translation, retries, private temp files.
 
 Nothing here leaves loopback: the EKS token is only signed (never sent), the GKE token
-exchange goes to a token endpoint this test serves on 127.0.0.1.
+exchange goes to a token endpoint this test serves on 127.0.0.1, and objects by kind are read
+and written on the Kubernetes API stand-in.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import botocore.exceptions
+import google.auth.exceptions
 import pytest
 import requests
 import trio
+import urllib3
 from google.auth.transport.requests import Request
 from kubernetes.client.exceptions import ApiException
 
@@ -32,18 +36,28 @@ from control.kube.adapter import (
     KubeAlreadyExists,
     KubeAuthError,
     KubeClient,
+    KubeconfigError,
     KubeError,
     KubeNotFound,
+    KubeTlsError,
     KubeUnavailable,
+    KubeUnreachable,
+    NotAKubeconfig,
     Operation,
     build_api_client,
     call_with_retry,
     eks_token,
+    kubeconfig_contexts,
+    open_kube_client,
+    open_kubeconfig_client,
     retry_delay,
     translate_api_exception,
 )
 from control.kube.pools import EksCredentials, GkeCredentials, PoolConfig, load_pools
+from sim.kubeapi.store import KubeStandin
 from tests.test_pools import EKS_CREDS, ca_pem, gke_block, rsa_pem, sa_key
+
+pytest_plugins = ["tests.kube_fixtures"]
 
 FAKE_EKS = EksCredentials(
     access_key_id="AKIAFAKEFAKEFAKE",
@@ -241,11 +255,97 @@ def test_forbidden_says_which_permission_is_missing() -> None:
     assert "ClusterRole" in error.message
 
 
+def _as_the_client_raises(failure: urllib3.exceptions.SSLError) -> ApiException:
+    """What the official client raises for a TLS failure: an ApiException with status 0,
+    raised while handling the urllib3 error (so that error is its context)."""
+    try:
+        try:
+            raise failure
+        except urllib3.exceptions.SSLError as exc:
+            raise ApiException(status=0, reason=f"{type(exc).__name__}\n{exc}")  # noqa: B904
+    except ApiException as raised:
+        return raised
+
+
 def test_tls_failure_points_at_the_ca() -> None:
-    exc = ApiException(status=0, reason="SSLError\ncertificate verify failed")
+    exc = _as_the_client_raises(urllib3.exceptions.SSLError("certificate verify failed"))
     error = translate_api_exception(exc, Operation("list", "nodes"), pool="p")
+    assert type(error) is KubeTlsError
     assert error.code is ErrorCode.FAILED_PRECONDITION
     assert "config.worker.pools[p].kubernetes.caData" in error.message
+
+
+def test_tls_is_told_by_the_exception_not_its_text() -> None:
+    # A reason that merely says "SSLError", with no TLS failure behind it, is no TLS failure.
+    exc = ApiException(status=0, reason="SSLError\nsomething else entirely")
+    error = translate_api_exception(exc, Operation("list", "nodes"), pool="p")
+    assert not isinstance(error, KubeTlsError)
+    assert error.code is ErrorCode.INTERNAL
+    assert error.status is None
+
+
+async def test_a_ca_that_is_not_the_endpoints_is_named(kube: KubeStandin) -> None:
+    import trustme
+
+    other_ca = base64.b64encode(trustme.CA().cert_pem.bytes()).decode()
+    pool = _pool(
+        flavor="generic", endpoint=kube.url, caData=other_ca, credentials={"token": kube.token}
+    )
+    async with open_kube_client(pool, request_timeout_s=5) as client:
+        with trio.fail_after(30), pytest.raises(KubeTlsError) as refused:
+            await client.list_nodes()
+    assert refused.value.code is ErrorCode.FAILED_PRECONDITION
+    assert f"config.worker.pools[{pool.name}].kubernetes.caData" in refused.value.message
+
+
+class _Raising:
+    """A token source that fails as a token library does."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def bearer(self) -> str:
+        raise self.exc
+
+
+class RefreshError(Exception):
+    """Not google-auth's: only the name is the same."""
+
+
+@pytest.mark.parametrize(
+    ("failure", "kind", "says"),
+    [
+        (
+            google.auth.exceptions.RefreshError("invalid_grant"),  # type: ignore[no-untyped-call]
+            KubeAuthError,
+            "Google refused",
+        ),
+        (
+            google.auth.exceptions.TransportError("timed out"),  # type: ignore[no-untyped-call]
+            KubeUnavailable,
+            "token endpoint",
+        ),
+        (botocore.exceptions.NoCredentialsError(), KubeAuthError, "cannot sign the EKS token"),
+        (RefreshError("look-alike"), KubeError, "RefreshError"),
+    ],
+)
+async def test_token_library_errors_are_told_by_their_type(
+    failure: Exception, kind: type[KubeError], says: str
+) -> None:
+    # The token source fails before any request is sent: nothing leaves the host.
+    pool = _pool()
+    api_client, temp_dir = await trio.to_thread.run_sync(
+        lambda: build_api_client(pool, token_source=_Raising(failure))
+    )
+    client = KubeClient(api_client, pool=pool.name, temp_dir=temp_dir)
+    try:
+        with pytest.raises(KubeError) as raised:
+            await client.list_nodes()
+    finally:
+        await client.aclose()
+    assert type(raised.value) is kind
+    assert says in raised.value.message
+    assert raised.value.failure == type(failure).__name__
 
 
 def test_retry_delay_honours_retry_after_within_a_cap() -> None:
@@ -375,7 +475,85 @@ async def test_unreachable_api_server_is_unavailable() -> None:
     client = KubeClient(api_client, pool=pool.name, temp_dir=temp_dir, request_timeout_s=5)
     try:
         with trio.fail_after(30):
-            with pytest.raises(KubeUnavailable, match="cannot list nodes"):
+            with pytest.raises(KubeUnreachable, match="cannot list nodes") as unreachable:
                 await client.list_nodes("pool=gpu")
     finally:
         await client.aclose()
+    assert unreachable.value.code is ErrorCode.UNAVAILABLE
+    assert unreachable.value.status is None and unreachable.value.failure
+
+
+async def test_objects_by_kind_round_trip_and_secret_data_stays_behind(
+    kube: KubeStandin, kubeconfig: Path
+) -> None:
+    role: dict[str, Any] = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "reader", "namespace": "default"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}],
+    }
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "s", "namespace": "default"},
+        "data": {"k": base64.b64encode(b"v4lue").decode()},
+    }
+    async with open_kubeconfig_client(str(kubeconfig), "standin") as cluster:
+        assert cluster.endpoint == kube.url
+        assert cluster.ca_pem == kube.ca_pem
+        api = cluster.client
+        assert await api.read_object("Role", "reader", "default") is None
+        await api.create_object(role)
+        with pytest.raises(KubeAlreadyExists):
+            await api.create_object(role)
+        role["rules"][0]["verbs"] = ["get", "list"]
+        await api.replace_object(role)
+        read = await api.read_object("Role", "reader", "default")
+        assert read is not None and read["rules"][0]["verbs"] == ["get", "list"]
+
+        created = await api.create_object(secret)
+        assert "data" not in created
+        read = await api.read_object("Secret", "s", "default")
+        assert read is not None and "data" not in read
+        assert await api.read_secret_value("default", "s", "k") == "v4lue"
+
+        assert await api.delete_object("Role", "reader", "default") is True
+        assert await api.delete_object("Role", "reader", "default") is False
+        assert await api.read_object("Namespace", "kube-system") is not None
+        with pytest.raises(ValueError, match="needs namespace"):
+            await api.read_object("Role", "reader")
+    assert kube.get("roles", "reader", "default") is None
+
+
+async def test_a_service_account_token_is_waited_for(kube: KubeStandin, kubeconfig: Path) -> None:
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "sa", "namespace": "default"},
+    }
+    token_secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/service-account-token",
+        "metadata": {
+            "name": "sa-token",
+            "namespace": "default",
+            "annotations": {"kubernetes.io/service-account.name": "sa"},
+        },
+    }
+    async with open_kubeconfig_client(str(kubeconfig), "standin") as cluster:
+        await cluster.client.create_object(account)
+        await cluster.client.create_object(token_secret)
+        with trio.fail_after(30):
+            token = await cluster.client.wait_secret_value("default", "sa-token", "token")
+    assert token == kube.service_account_token("sa-token", "default")
+
+
+async def test_a_kubeconfig_that_cannot_be_used_says_so(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    with pytest.raises(KubeconfigError, match=str(missing)) as refused:
+        kubeconfig_contexts(str(missing))
+    assert not isinstance(refused.value, NotAKubeconfig)
+    (tmp_path / "list").write_text("- a\n- list\n")
+    with pytest.raises(NotAKubeconfig, match="is not a kubeconfig"):
+        kubeconfig_contexts(str(tmp_path / "list"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import socket
@@ -14,10 +16,12 @@ import trio
 
 from agent.api.client import WorkerClient
 from agent.api.models import Registration
+from agent.daemon.config import AgentConfig
+from agent.daemon.register import failure_reason, register_once
 from agent.daemon.run import run_agent
 from agent.wire.client import WorkerUnavailable
 from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.tls import TLSStream
+from agent.wire.tls import PinMismatchError, TLSStream, make_self_signed, server_context
 from agent.wire.wsstream import WebSocketStream
 from control.api.server import Controlplane, serve_controlplane
 from sim.configs import WORKER_TOKENS, Pki, control_config, make_pki
@@ -347,3 +351,61 @@ async def test_streamed_response_follows_the_agent_log(
     records = [json.loads(line) for line in seen.splitlines() if line]
     assert any(r["msg"].startswith("GET /v1/health 200") for r in records)
     assert all(WORKER_TOKENS[worker_id] not in line for line in seen.decode().splitlines())
+
+
+# -- what a failed call to the controlplane is, by type ------------------------------------------
+
+
+def test_failure_reason_sorts_by_type_and_cause_not_by_message() -> None:
+    verify = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] unknown issuer")
+    try:
+        raise trio.BrokenResourceError("TLS handshake failed") from verify
+    except trio.BrokenResourceError as exc:
+        wrapped = exc
+    assert failure_reason(wrapped).startswith("the controlplane's certificate did not verify")
+    assert "unknown issuer" in failure_reason(wrapped)
+    # The same words without that cause are someone else's message, not a certificate failure.
+    lookalike = trio.BrokenResourceError("peer said CERTIFICATE_VERIFY_FAILED")
+    assert failure_reason(lookalike) == "peer said CERTIFICATE_VERIFY_FAILED"
+    pin = PinMismatchError("a" * 64, "b" * 64)
+    assert "re-register the worker" in failure_reason(pin)
+    assert failure_reason(trio.TooSlowError()) == "timed out"
+
+
+async def test_registering_with_a_wrong_ca_says_the_certificate_did_not_verify(
+    tmp_path: Path, control: Controlplane
+) -> None:
+    (tmp_path / "other").mkdir()
+    config = agent_config(make_pki(tmp_path / "other"), control.port, mode="tunnel")
+    with pytest.raises(trio.BrokenResourceError) as err:  # the error itself, not a group
+        await register_once(config, Registration(worker_id="w-tunnel", version="0", mode="tunnel"))
+    assert failure_reason(err.value).startswith("the controlplane's certificate did not verify")
+
+
+async def test_a_connection_lost_mid_registration_is_one_error_not_a_group(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # A "controlplane" that finishes TLS with h2, reads the client's first bytes and hangs up.
+    cert_key = make_self_signed("cp", ["127.0.0.1"])
+    (tmp_path / "ca.pem").write_bytes(cert_key.cert_pem)
+    context = server_context(cert_key, alpn=("h2",))
+
+    async def hang_up(tcp: trio.SocketStream) -> None:
+        tls = TLSStream(tcp, context, server_side=True)
+        with contextlib.suppress(trio.BrokenResourceError):
+            await tls.receive_some()
+        await trio.aclose_forcefully(tls)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, hang_up, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    config = AgentConfig(
+        worker_id="w-1",
+        token="t",
+        mode="tunnel",
+        controlplane_url=f"https://127.0.0.1:{port}",
+        controlplane_ca_file=str(tmp_path / "ca.pem"),
+    )
+    # The heartbeat loop retries on these; inside a group they would end the agent instead.
+    with pytest.raises((ApiError, trio.BrokenResourceError, OSError)) as err:
+        await register_once(config, Registration(worker_id="w-1", version="0", mode="tunnel"))
+    assert not isinstance(err.value, BaseExceptionGroup)

@@ -18,6 +18,7 @@ from agent.runtime.ocispec import (
     Limits,
     RuntimeSpec,
     exec_process,
+    merge_env,
     oci_config,
     write_bundle,
 )
@@ -219,6 +220,14 @@ def test_process_has_the_given_args_env_cwd_and_user() -> None:
 
 def test_a_default_path_is_given_when_the_image_has_none() -> None:
     assert env_of(oci_config(spec(env=("A=1",))))["PATH"].startswith("/usr/local/sbin:")
+
+
+def test_env_layers_merge_by_name_the_later_winning_in_first_seen_order() -> None:
+    image = ("PATH=/opt/bin", "A=1", "B=x=y")
+    assert merge_env(image, ("A=2", "C=3")) == ["PATH=/opt/bin", "A=2", "B=x=y", "C=3"]
+    # The merge adds nothing: the default PATH is the config's first layer, under the image's.
+    assert merge_env(("A=1",)) == ["A=1"]
+    assert env_of(oci_config(spec(env=tuple(merge_env(image)))))["PATH"] == "/opt/bin"
 
 
 def test_hostname_defaults_to_the_container_id() -> None:

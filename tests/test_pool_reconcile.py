@@ -7,6 +7,7 @@ import base64
 import functools
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
@@ -134,9 +135,21 @@ async def test_a_full_node_is_no_machine_and_gets_no_worker(kube: KubeStandin) -
     assert kube.jobs() == []
 
 
+def pass_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The reconcile passes' canonical lines, as the fields a log pipeline filters on."""
+    keys: tuple[str, ...] = ("pool", "nodes", "pods", "jobs", "machines", "skipped")
+    keys += ("jobs_created", "jobs_deleted", "duration_s", "error")
+    return [
+        {k: getattr(r, k) for k in keys if hasattr(r, k)}
+        for r in caplog.records
+        if r.name == "levers9.reconcile" and hasattr(r, "jobs_created")
+    ]
+
+
 async def test_a_cordoned_node_stops_being_a_machine_and_loses_its_worker(
-    kube: KubeStandin,
+    kube: KubeStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="levers9.reconcile")
     run_pods_of_jobs(kube)
     kube.add_node(gpu_node("node-2"))
     async with reconciler(kube) as r:
@@ -147,6 +160,24 @@ async def test_a_cordoned_node_stops_being_a_machine_and_loses_its_worker(
     assert plan is not None and plan.machines == ()
     assert kube.jobs() == []
     assert kube.secrets() == []  # deleted with its Job
+
+    # One line per pass, its counts as fields.
+    first, second = pass_lines(caplog)
+    assert isinstance(first.pop("duration_s"), float)
+    assert isinstance(second.pop("duration_s"), float)
+    assert first == {
+        "pool": "gpu",
+        "nodes": 1,
+        "pods": 0,
+        "jobs": 0,
+        "machines": 1,
+        "skipped": 0,
+        "jobs_created": 1,
+        "jobs_deleted": 0,
+    }
+    assert second["nodes"] == 1 and second["jobs"] == 1 and second["pods"] == 1
+    assert (second["machines"], second["skipped"]) == (0, 1)
+    assert (second["jobs_created"], second["jobs_deleted"]) == (0, 1)
 
 
 async def test_the_selector_picks_the_pools_nodes_by_gke_node_pool(kube: KubeStandin) -> None:
@@ -202,7 +233,10 @@ async def test_an_expired_worker_is_replaced_by_a_fresh_one(kube: KubeStandin) -
     assert second["metadata"]["name"] != first["metadata"]["name"]
 
 
-async def test_a_bad_token_fails_the_pass_with_the_reason(kube: KubeStandin) -> None:
+async def test_a_bad_token_fails_the_pass_with_the_reason(
+    kube: KubeStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="levers9.reconcile")
     kube.add_node(gpu_node("node-6"))
     block = pool_block(kube)
     block["kubernetes"]["credentials"] = {"token": "not-the-token"}
@@ -214,6 +248,9 @@ async def test_a_bad_token_fails_the_pass_with_the_reason(kube: KubeStandin) -> 
     assert r.status.error is not None
     assert "not-the-token" not in r.status.error
     assert kube.jobs() == []
+    (line,) = pass_lines(caplog)
+    assert line["pool"] == "gpu" and line["error"] == "UNAUTHENTICATED"
+    assert (line["nodes"], line["jobs_created"]) == (0, 0)
 
 
 async def test_machine_list_through_the_controlplane_and_the_cli(

@@ -29,6 +29,7 @@ from control.kube.planner import (
     token_secret_name,
     with_job_uid,
 )
+from control.models import WorkerState
 
 NOW = 1_700_000_000.0
 SETTINGS = PoolSettings(name="gke-a100", namespace="levers9", image="worker:latest")
@@ -381,7 +382,9 @@ def test_job_on_a_node_that_stopped_being_a_machine_is_deleted(
 
 def test_expired_record_deletes_its_job_then_next_generation_follows() -> None:
     name0 = job_name(SETTINGS.name, "n1", 0)
-    record = WorkerRecord(name0, "n1", "ready", created_at=NOW - 3600, last_heartbeat=NOW - 601)
+    record = WorkerRecord(
+        name0, "n1", WorkerState.READY, created_at=NOW - 3600, last_heartbeat=NOW - 601
+    )
     first = plan_pool(
         SETTINGS, [node()], [pod(gpus=4, ours=True)], [job_for("n1", 0)], [record], NOW
     )
@@ -396,7 +399,9 @@ def test_expired_record_deletes_its_job_then_next_generation_follows() -> None:
 
 def test_fresh_heartbeat_keeps_the_job() -> None:
     name0 = job_name(SETTINGS.name, "n1", 0)
-    record = WorkerRecord(name0, "n1", "ready", created_at=NOW - 3600, last_heartbeat=NOW - 30)
+    record = WorkerRecord(
+        name0, "n1", WorkerState.READY, created_at=NOW - 3600, last_heartbeat=NOW - 30
+    )
     plan = plan_pool(
         SETTINGS, [node()], [pod(gpus=4, ours=True)], [job_for("n1", 0)], [record], NOW
     )

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import trio
 
+from agent.daemon.config import ConfigError, load_config
 from agent.daemon.selfcheck import (
     BUSYBOX,
     Check,
@@ -26,10 +27,12 @@ from agent.daemon.selfcheck import (
     main_self_check,
     objects_section,
     privileges_check,
+    read_settings,
     render_json,
     render_table,
     run_checks,
     run_trivial_container,
+    settings_section,
 )
 from control.api.server import Controlplane, serve_controlplane
 from nvml.standin import StandinNode, StandinProcess, nvlinked_node, write_node
@@ -195,6 +198,122 @@ def test_main_self_check_exit_status(
     assert json.loads(capsys.readouterr().out)["ok"] is False
 
 
+# -- settings: read by the parser `levers9-agent run` uses -----------------------------------------
+
+SECRET_TOKEN = "worker-secret-token-0123456789"
+
+
+def worker_environ(**changes: str) -> dict[str, str]:
+    """The environment the worker Job gives the agent (the variables `run` needs)."""
+    environ = {
+        "LEVERS9_WORKER_ID": "w-1",
+        "LEVERS9_WORKER_TOKEN": SECRET_TOKEN,
+        "LEVERS9_CONTROLPLANE_URL": "https://cp.example.com:8443",
+    }
+    environ.update(changes)
+    return environ
+
+
+@pytest.mark.parametrize("budget", ["-1", "10G", "1.5e9"])
+def test_a_budget_run_refuses_is_a_failed_check_naming_the_variable(
+    budget: str, tmp_path: Path
+) -> None:
+    environ = worker_environ(
+        LEVERS9_OBJECT_BUDGET_BYTES=budget, LEVERS9_STATE_DIR=str(tmp_path / "state")
+    )
+    with pytest.raises(ConfigError):
+        load_config(dict(environ))  # what `run` does with it
+    context = SelfCheckContext(environ)
+    checks = run_checks(context, [settings_section, objects_section])
+    [check] = checks  # no free-space arithmetic on a budget `run` would not use
+    assert (check.section, check.name, check.status) == (
+        "settings",
+        "LEVERS9_OBJECT_BUDGET_BYTES",
+        Status.FAIL,
+    )
+    assert "LEVERS9_OBJECT_BUDGET_BYTES" in check.reason and repr(budget) in check.reason
+    assert "LEVERS9_OBJECT_BUDGET_BYTES" in check.action
+    assert json.loads(render_json(checks))["ok"] is False
+
+
+def test_a_refused_floor_fails_even_outside_the_worker_environment(tmp_path: Path) -> None:
+    # No worker id, token or URL (the controlplane is then only "not checked"), yet the
+    # container settings are still read as `run` reads them.
+    environ = {"LEVERS9_FREE_FLOOR_BYTES": "-5", "LEVERS9_STATE_DIR": str(tmp_path)}
+    [check] = settings_section(SelfCheckContext(environ))
+    assert check.name == "LEVERS9_FREE_FLOOR_BYTES"
+    assert check.status is Status.FAIL
+    assert objects_section(SelfCheckContext(environ)) == []
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"LEVERS9_MODE": "sideways"},
+        {"LEVERS9_CONTROLPLANE_URL": "http://cp"},
+        {"LEVERS9_CONTROLPLANE_URL": "https://cp:99999"},
+        {"LEVERS9_LISTEN": "7443"},
+        {"LEVERS9_PING_INTERVAL_S": "soon"},
+        {"LEVERS9_TUNNEL_MAX_AGE_S": "0"},
+        {"LEVERS9_CONTROLPLANE_CA": "/nonexistent/ca.pem"},
+        {"LEVERS9_CONTAINERS": "maybe"},
+        {"LEVERS9_STATE_DIR": "relative/dir"},
+        {"LEVERS9_LOG_MAX_BYTES": "big"},
+    ],
+)
+def test_the_self_check_refuses_what_run_refuses_in_the_same_words(
+    changes: dict[str, str],
+) -> None:
+    environ = worker_environ(**changes)
+    with pytest.raises(ConfigError) as refused:
+        load_config(dict(environ))
+    [variable] = changes
+    assert refused.value.variable == variable
+    [check] = settings_section(SelfCheckContext(environ))
+    assert (check.name, check.status, check.reason) == (variable, Status.FAIL, str(refused.value))
+    [cp] = trio.run(controlplane_checks, read_settings(environ))
+    assert cp.status is Status.WARN and variable in cp.reason
+
+
+def test_good_settings_add_no_check_and_keep_the_token_out(tmp_path: Path) -> None:
+    environ = worker_environ(LEVERS9_STATE_DIR=str(tmp_path), LEVERS9_OBJECT_BUDGET_BYTES="1024")
+    settings = read_settings(environ)
+    assert settings.agent is not None and settings.agent.token == SECRET_TOKEN
+    assert environ["LEVERS9_WORKER_TOKEN"] == SECRET_TOKEN  # parsed from a copy
+    assert SECRET_TOKEN not in repr(settings)
+    assert settings.containers is not None
+    assert settings.containers.object_budget_bytes == 1024
+    assert settings_section(SelfCheckContext(environ)) == []
+    checks = {c.name: c for c in objects_section(SelfCheckContext(environ))}
+    assert checks["objects dir"].status is Status.OK
+
+
+def test_main_self_check_fails_on_a_refused_budget_without_a_traceback_or_the_token(
+    describe_node: DescribeNode,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    describe_node(nvlinked_node(1))
+    for name, value in worker_environ(
+        LEVERS9_OBJECT_BUDGET_BYTES="-1",
+        LEVERS9_STATE_DIR=str(tmp_path / "state"),
+        LEVERS9_GPU_CDI_DIRS="",
+    ).items():
+        monkeypatch.setenv(name, value)
+    assert main_self_check(["--json"]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert SECRET_TOKEN not in out + err
+    report = json.loads(out)
+    assert report["ok"] is False
+    refused = by_name(report)["LEVERS9_OBJECT_BUDGET_BYTES"]
+    assert refused["section"] == "settings" and refused["status"] == "fail"
+    assert "must be 0 or more" in refused["reason"]
+    assert not any(c["section"] == "objects" for c in report["checks"])
+    assert "LEVERS9_OBJECT_BUDGET_BYTES" in by_name(report)["reachable"]["reason"]
+
+
 # -- node ------------------------------------------------------------------------------------------
 
 ROOT_STATUS = "Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n"
@@ -274,10 +393,20 @@ def test_clock_skew_from_the_date_header() -> None:
     assert "no Date header" in missing.reason
 
 
-async def test_an_unset_controlplane_url_is_a_warning() -> None:
-    [check] = await controlplane_checks({})
+@pytest.mark.parametrize(
+    ("environ", "unset"),
+    [
+        ({}, "LEVERS9_WORKER_ID"),
+        ({"LEVERS9_WORKER_ID": "w-1", "LEVERS9_WORKER_TOKEN": "t"}, "LEVERS9_CONTROLPLANE_URL"),
+    ],
+)
+async def test_an_unset_controlplane_setting_is_a_warning(
+    environ: dict[str, str], unset: str
+) -> None:
+    [check] = await controlplane_checks(read_settings(environ))
     assert check.status is Status.WARN
-    assert "not checked" in check.reason
+    assert check.reason == f"not checked: {unset} is not set"
+    assert "worker's environment" in check.action
 
 
 async def _controlplane_environ(tmp_path: Path, nursery: trio.Nursery) -> dict[str, str]:
@@ -296,7 +425,7 @@ async def test_a_reachable_controlplane_accepts_the_tunnel_handshake(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
     environ = await _controlplane_environ(tmp_path, nursery)
-    checks = {c.name: c for c in await controlplane_checks(environ)}
+    checks = {c.name: c for c in await controlplane_checks(read_settings(environ))}
     assert checks["reachable"].status is Status.OK, checks["reachable"]
     assert checks["clock skew"].status in (Status.OK, Status.WARN)
     assert checks["tunnel"].status is Status.OK, checks["tunnel"]
@@ -307,7 +436,7 @@ async def test_a_wrong_ca_fails_naming_tls(tmp_path: Path, nursery: trio.Nursery
     environ = await _controlplane_environ(tmp_path, nursery)
     (tmp_path / "other").mkdir()
     environ["LEVERS9_CONTROLPLANE_CA"] = str(make_pki(tmp_path / "other").ca_file)
-    [check] = await controlplane_checks(environ)
+    [check] = await controlplane_checks(read_settings(environ))
     assert check.status is Status.FAIL
     assert environ["LEVERS9_CONTROLPLANE_URL"] in check.reason
     assert "TLS" in check.reason and "certificate" in check.reason
@@ -319,7 +448,7 @@ async def test_a_wrong_worker_token_fails_the_tunnel_without_showing_it(
 ) -> None:
     environ = await _controlplane_environ(tmp_path, nursery)
     environ["LEVERS9_WORKER_TOKEN"] = "wrong-token-0123456789"
-    checks = {c.name: c for c in await controlplane_checks(environ)}
+    checks = {c.name: c for c in await controlplane_checks(read_settings(environ))}
     assert checks["reachable"].status is Status.OK
     assert checks["tunnel"].status is Status.FAIL
     assert "refused the worker token" in checks["tunnel"].reason

@@ -14,6 +14,7 @@ import trio
 
 from agent.api.models import GcsCredentials, S3Credentials, VolumeSpec
 from agent.wire.errors import ApiError, ErrorCode
+from control.models import TaskState
 from control.tasks.store import (
     Cancel,
     Exited,
@@ -24,7 +25,6 @@ from control.tasks.store import (
     TaskEvent,
     TaskRecord,
     TaskSpec,
-    TaskState,
     TaskStore,
     open_task_store,
     transition,

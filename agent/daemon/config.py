@@ -5,6 +5,11 @@ come from, as environment variables (the worker token from a Secret). They are p
 into frozen attrs, with an error naming the variable and what to do; the token is removed
 from the process environment as soon as it is read, so no child process inherits it, and it
 is hidden from every repr.
+
+`load_config` is the one parser: `levers9-agent self-check` reads the settings through it too
+(on a copy of the environment), so it refuses exactly what `run` refuses. A `ConfigError`
+carries the variable's name; `SettingMissing` (a required variable is unset) is its own type,
+so callers tell "not the worker's environment" from "a wrong value" without reading messages.
 """
 
 from __future__ import annotations
@@ -24,7 +29,19 @@ ENV_PREFIX = "LEVERS9_"
 
 
 class ConfigError(ValueError):
-    """A setting is missing or malformed; the message names the variable."""
+    """A setting `levers9-agent run` refuses; the message names the variable and what is wrong.
+
+    `variable` is the full name (``LEVERS9_...``), for callers that report it on their own
+    (the self-check); the message never contains the worker token.
+    """
+
+    def __init__(self, variable: str, message: str) -> None:
+        super().__init__(message)
+        self.variable = variable
+
+
+class SettingMissing(ConfigError):
+    """A variable `run` needs is not set: the process does not have the worker's environment."""
 
 
 @attrs.frozen
@@ -72,9 +89,10 @@ class AgentConfig:
 def _get(env: Mapping[str, str], name: str, default: str | None = None) -> str:
     value = env.get(ENV_PREFIX + name, default)
     if value is None or value == "":
-        raise ConfigError(
+        raise SettingMissing(
+            ENV_PREFIX + name,
             f"{ENV_PREFIX}{name} is not set; the worker Job sets it (see images/worker.Dockerfile"
-            " and the controlplane's Job template)"
+            " and the controlplane's Job template)",
         )
     return value
 
@@ -86,9 +104,13 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{ENV_PREFIX}{name} must be a number of seconds, not {raw!r}") from None
+        raise ConfigError(
+            ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be a number of seconds, not {raw!r}"
+        ) from None
     if value <= 0:
-        raise ConfigError(f"{ENV_PREFIX}{name} must be greater than 0, not {raw!r}")
+        raise ConfigError(
+            ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be greater than 0, not {raw!r}"
+        )
     return value
 
 
@@ -100,32 +122,53 @@ def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise ConfigError(
-            f"{ENV_PREFIX}{name} must be a whole number of bytes, not {raw!r}"
+            ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be a whole number of bytes, not {raw!r}"
         ) from None
     if value < 0:
-        raise ConfigError(f"{ENV_PREFIX}{name} must be 0 or more, not {raw!r}")
+        raise ConfigError(ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be 0 or more, not {raw!r}")
     return value
 
 
 def _existing_file(env: Mapping[str, str], name: str) -> str | None:
     path = env.get(ENV_PREFIX + name) or None
     if path is not None and not os.path.isfile(path):
-        raise ConfigError(f"{ENV_PREFIX}{name} names {path!r}, which is not a file")
+        raise ConfigError(
+            ENV_PREFIX + name, f"{ENV_PREFIX}{name} names {path!r}, which is not a file"
+        )
     return path
+
+
+def _is_https_url(url: str) -> bool:
+    """An https:// URL with a host, and a port the agent can dial if it names one."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 -- raises ValueError on a port that is not 0 to 65535
+    except ValueError:
+        return False
+    return parts.scheme == "https" and bool(parts.hostname)
 
 
 def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
     switch = env.get(ENV_PREFIX + "CONTAINERS", "on").lower()
     if switch not in ("on", "off"):
-        raise ConfigError(f"{ENV_PREFIX}CONTAINERS must be 'on' or 'off', not {switch!r}")
+        raise ConfigError(
+            ENV_PREFIX + "CONTAINERS",
+            f"{ENV_PREFIX}CONTAINERS must be 'on' or 'off', not {switch!r}",
+        )
     if switch == "off":
         return None
     state_dir = env.get(ENV_PREFIX + "STATE_DIR") or "/var/lib/levers9"
     if not os.path.isabs(state_dir):
-        raise ConfigError(f"{ENV_PREFIX}STATE_DIR must be an absolute path, not {state_dir!r}")
+        raise ConfigError(
+            ENV_PREFIX + "STATE_DIR",
+            f"{ENV_PREFIX}STATE_DIR must be an absolute path, not {state_dir!r}",
+        )
     ca_file = env.get(ENV_PREFIX + "REGISTRY_CA") or None
     if ca_file is not None and not os.path.isfile(ca_file):
-        raise ConfigError(f"{ENV_PREFIX}REGISTRY_CA names {ca_file!r}, which is not a file")
+        raise ConfigError(
+            ENV_PREFIX + "REGISTRY_CA",
+            f"{ENV_PREFIX}REGISTRY_CA names {ca_file!r}, which is not a file",
+        )
     insecure = tuple(
         part.strip()
         for part in env.get(ENV_PREFIX + "INSECURE_REGISTRIES", "").split(",")
@@ -153,12 +196,14 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
     env.pop(ENV_PREFIX + "WORKER_TOKEN", None)
     mode = _get(env, "MODE", "direct")
     if mode not in ("direct", "tunnel"):
-        raise ConfigError(f"{ENV_PREFIX}MODE must be 'direct' or 'tunnel', not {mode!r}")
-    url = _get(env, "CONTROLPLANE_URL")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "https" or not parts.hostname:
         raise ConfigError(
-            f"{ENV_PREFIX}CONTROLPLANE_URL must be an https:// URL with a host, not {url!r}"
+            ENV_PREFIX + "MODE", f"{ENV_PREFIX}MODE must be 'direct' or 'tunnel', not {mode!r}"
+        )
+    url = _get(env, "CONTROLPLANE_URL")
+    if not _is_https_url(url):
+        raise ConfigError(
+            ENV_PREFIX + "CONTROLPLANE_URL",
+            f"{ENV_PREFIX}CONTROLPLANE_URL must be an https:// URL with a host, not {url!r}",
         )
     listen = env.get(ENV_PREFIX + "LISTEN", "0.0.0.0:7443")
     host, _, port_text = listen.rpartition(":")
@@ -168,11 +213,15 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
             raise ValueError
     except ValueError:
         raise ConfigError(
-            f"{ENV_PREFIX}LISTEN must be HOST:PORT (e.g. 0.0.0.0:7443), not {listen!r}"
+            ENV_PREFIX + "LISTEN",
+            f"{ENV_PREFIX}LISTEN must be HOST:PORT (e.g. 0.0.0.0:7443), not {listen!r}",
         ) from None
     ca_file = env.get(ENV_PREFIX + "CONTROLPLANE_CA") or None
     if ca_file is not None and not os.path.isfile(ca_file):
-        raise ConfigError(f"{ENV_PREFIX}CONTROLPLANE_CA names {ca_file!r}, which is not a file")
+        raise ConfigError(
+            ENV_PREFIX + "CONTROLPLANE_CA",
+            f"{ENV_PREFIX}CONTROLPLANE_CA names {ca_file!r}, which is not a file",
+        )
     return AgentConfig(
         worker_id=worker_id,
         token=token,

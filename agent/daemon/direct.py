@@ -4,12 +4,13 @@ fingerprint the controlplane pins.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import trio
 
 from agent.daemon.config import AgentConfig
-from agent.wire.connection import Http2Connection
+from agent.wire.connection import ConnectionLost, Http2Connection
 from agent.wire.service import Service
 from agent.wire.tls import (
     CertKey,
@@ -39,19 +40,36 @@ async def serve_direct(
             with trio.fail_after(config.handshake_timeout_s):
                 await tls.do_handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            log.warning("TLS handshake from %s failed: %s", peer, exc)
+            reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+            log.warning(
+                "TLS handshake from %s failed: %s",
+                peer,
+                reason,
+                extra={"worker": config.worker_id, "peer": peer, "reason": reason},
+            )
             await tls.aclose()
             return
         if tls.selected_alpn_protocol() != "h2":
-            log.warning("connection from %s did not negotiate h2; closing", peer)
+            log.warning(
+                "connection from %s did not negotiate h2; closing",
+                peer,
+                extra={"worker": config.worker_id, "peer": peer},
+            )
             await tls.aclose()
             return
         conn = Http2Connection(
             tls, client_side=False, settings=config.http2, handler=service, name=peer
         )
-        await conn.run()
-        if conn.close_reason and "peer closed" not in conn.close_reason:
-            log.info("connection from %s closed: %s", peer, conn.close_reason)
+        with contextlib.suppress(ConnectionLost):
+            # Gone before it was ready (reset right after the handshake): nothing to serve.
+            await conn.run()
+        if conn.close_reason and not conn.closed_by_peer:
+            log.info(
+                "connection from %s closed: %s",
+                peer,
+                conn.close_reason,
+                extra={"worker": config.worker_id, "peer": peer, "reason": conn.close_reason},
+            )
 
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handle, listeners)

@@ -28,6 +28,7 @@ from agent.wire.backoff import (
 from agent.wire.client import ApiClient, open_api_client
 from agent.wire.errors import ApiError
 from agent.wire.tls import (
+    PinMismatchError,
     TLSStream,
     verifying_client_context,
 )
@@ -39,7 +40,7 @@ class TunnelRejected(Exception):
     """The controlplane refused the tunnel handshake (wrong token, unknown worker)."""
 
 
-def _cert_hosts(config: AgentConfig) -> list[str]:
+def cert_hosts(config: AgentConfig) -> list[str]:
     hosts = ["127.0.0.1", "localhost"]
     for host in (config.advertise_host, config.listen_host):
         if host and host not in hosts and host not in ("0.0.0.0", "::"):
@@ -119,16 +120,18 @@ def registration(
 async def _call_controlplane(config: AgentConfig, path: str, body: object) -> None:
     with trio.fail_after(config.handshake_timeout_s):
         tls = await open_controlplane_tls(config, ("h2",))
-        refused: ApiError | None = None
+        failed: ApiError | trio.BrokenResourceError | OSError | None = None
         async with open_api_client(
             tls, ApiClient, token=config.token, authority=config.controlplane_host
         ) as client:
             try:
                 await client.call("POST", path, body)
-            except ApiError as exc:
-                refused = exc  # raised outside the client's nursery: not in an ExceptionGroup
-        if refused is not None:
-            raise refused
+            except (ApiError, trio.BrokenResourceError, OSError) as exc:
+                # Raised again outside the client's nursery, so callers get the error itself
+                # (a refusal, a connection lost mid-call), not an ExceptionGroup around it.
+                failed = exc
+        if failed is not None:
+            raise failed
 
 
 async def register_once(config: AgentConfig, registration: Registration) -> None:
@@ -151,10 +154,12 @@ async def register_loop(config: AgentConfig, registration: Registration) -> None
         except (OSError, trio.BrokenResourceError, trio.TooSlowError, ApiError) as exc:
             record_failure(state)
             delay = next_delay(policy, state, random.random())
+            reason = failure_reason(exc)
             log.warning(
                 "registering with the controlplane failed (%s); retrying in %.1f s",
-                failure_reason(exc),
+                reason,
                 delay,
+                extra={"worker": config.worker_id, "reason": reason, "delay_s": round(delay, 3)},
             )
             await trio.sleep(delay)
             continue
@@ -171,12 +176,28 @@ TUNNEL_FAILURES = (
 )
 
 
+def _cause_chain(exc: BaseException) -> list[BaseException]:
+    """`exc`, what it was raised from, and so on: `TLSStream` raises BrokenResourceError from
+    OpenSSL's error (and, once the stream is broken, from that first error again)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
 def failure_reason(exc: BaseException) -> str:
+    """One line for a log or a check: what went wrong talking to the controlplane, sorted by
+    the exception's type (and its causes'), never by its message."""
     if isinstance(exc, trio_websocket.ConnectionRejected):
         hint = " (check the worker token)" if exc.status_code in (401, 403) else ""
         return f"the controlplane refused the tunnel with HTTP {exc.status_code}{hint}"
-    if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY" in str(exc):
-        return f"the controlplane's certificate did not verify: {exc}"
+    for cause in _cause_chain(exc):
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"the controlplane's certificate did not verify: {cause}"
+        if isinstance(cause, PinMismatchError):
+            return str(cause)
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
     return str(exc) or type(exc).__name__

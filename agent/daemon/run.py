@@ -25,7 +25,7 @@ from agent.api.models import CardInfo
 from agent.daemon.config import AgentConfig
 from agent.daemon.direct import serve_direct
 from agent.daemon.register import (
-    _cert_hosts,
+    cert_hosts,
     deregister_once,
     failure_reason,
     register_loop,
@@ -123,17 +123,35 @@ async def _exit_when_idle(
         active = sum(1 for c in manager.all() if c.state not in ("exited", "failed"))
         since = idle_for(active, since, now)
         if since is not None and now - since >= idle_s:
+            fields = {"worker": config.worker_id, "node": config.node}
             try:
                 await deregister_once(config)
             except ApiError as exc:
                 if exc.code is ErrorCode.FAILED_PRECONDITION:
-                    log.info("not winding down: %s", exc.message)
+                    log.info(
+                        "not winding down: %s",
+                        exc.message,
+                        extra={**fields, "reason": exc.message, "error_code": exc.code.name},
+                    )
                     since = None
                     continue
-                log.warning("deregistering failed (%s); winding down anyway", exc.message)
+                log.warning(
+                    "deregistering failed (%s); winding down anyway",
+                    exc.message,
+                    extra={**fields, "reason": exc.message, "error_code": exc.code.name},
+                )
             except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
-                log.warning("deregistering failed (%s); winding down anyway", failure_reason(exc))
-            log.info("no container for %.0f s: the worker winds down", now - since)
+                reason = failure_reason(exc)
+                log.warning(
+                    "deregistering failed (%s); winding down anyway",
+                    reason,
+                    extra={**fields, "reason": reason},
+                )
+            log.info(
+                "no container for %.0f s: the worker winds down",
+                now - since,
+                extra={**fields, "idle_s": round(now - since, 3)},
+            )
             scope.cancel()
             return
         await trio.sleep(min(IDLE_POLL_S, idle_s))
@@ -156,7 +174,7 @@ async def _serve_with(
 ) -> None:
     async with trio.open_nursery() as nursery:
         if config.mode == "direct":
-            cert_key = make_self_signed(f"levers9-worker-{config.worker_id}", _cert_hosts(config))
+            cert_key = make_self_signed(f"levers9-worker-{config.worker_id}", cert_hosts(config))
             port = await nursery.start(serve_direct, config, service, cert_key)
             nursery.start_soon(
                 register_loop, config, registration(config, state, cert_key.fingerprint, port)
@@ -166,7 +184,14 @@ async def _serve_with(
                 config.worker_id,
                 config.listen_host,
                 port,
-                extra={"fingerprint": cert_key.fingerprint},
+                extra={
+                    "worker": config.worker_id,
+                    "node": config.node,
+                    "mode": config.mode,
+                    "listen_host": config.listen_host,
+                    "port": port,
+                    "fingerprint": cert_key.fingerprint,
+                },
             )
             task_status.started(port)
         else:
@@ -181,11 +206,12 @@ async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> Claim | 
     A node without a working driver still gets a worker that answers, reporting no cards and
     why, so the controlplane and the operator see the reason rather than a crash loop.
     """
+    fields = {"worker": state.worker_id, "node": state.node}
     try:
         claim = await claim_cards(GpuConfig.from_environ(environ), environ)
     except (NvmlError, PodResourcesError, GpuSetupError) as exc:
         state.gpu_problems = (f"no cards claimed: {exc}",)
-        log.warning("no cards claimed: %s", exc)
+        log.warning("no cards claimed: %s", exc, extra={**fields, "reason": str(exc)})
         return None
     state.driver_version = claim.driver_version
     state.cards = tuple(
@@ -201,11 +227,17 @@ async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> Claim | 
     )
     state.gpu_problems = claim.problems()
     for problem in state.gpu_problems:
-        log.warning("%s", problem)
+        log.warning("%s", problem, extra=fields)
     log.info(
         "claimed %d of %d card(s) (from %s)",
         len(claim.serving),
         len(claim.cards),
         claim.source,
+        extra={
+            **fields,
+            "cards_serving": len(claim.serving),
+            "cards_total": len(claim.cards),
+            "source": claim.source,
+        },
     )
     return claim

@@ -9,6 +9,13 @@ Checks come in sections. A section is one function from a `SelfCheckContext` to 
 `SECTIONS`; adding a section is writing that function and listing it. A section that crashes
 becomes a failed check rather than hiding the others.
 
+The LEVERS9_* settings are read once, by `load_config` itself (the parser `levers9-agent run`
+uses), into `Settings`; sections take their values from there and never parse a variable again.
+So the self-check refuses exactly what `run` refuses: each refused variable is a failed check
+of the `settings` section naming it, and the checks that needed it are left out. A variable
+that is merely unset (the self-check was run outside the worker's environment) only makes the
+controlplane checks "not checked", as before.
+
 Sections are plain synchronous functions: the self-check is a short-lived CLI. The one that
 talks to the network (`controlplane_section`) runs its async checks with `trio.run`; those checks
 are also an async function of their own (`controlplane_checks`) so tests drive them against a
@@ -29,7 +36,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -37,11 +43,18 @@ import attrs
 import trio
 import trio_websocket
 
-from agent.daemon.config import AgentConfig
+from agent.daemon.config import (
+    AgentConfig,
+    ConfigError,
+    SettingMissing,
+    load_config,
+    load_container_config,
+)
 from agent.daemon.register import TUNNEL_FAILURES, failure_reason, open_controlplane_tls
 from agent.daemon.tunnel import upgrade_to_tunnel
 from agent.gpus.claim import CardState, Claim, GpuConfig, decide_claim, read_assignment
 from agent.gpus.edits import CONTROL_DEVICES, NodeFiles, discover_node_files
+from agent.runtime.config import ContainerConfig
 from agent.runtime.runc import checkpoint_support
 from agent.wire.client import ApiClient, open_api_client
 from agent.wire.errors import ApiError, exception_leaves
@@ -65,13 +78,72 @@ class Check:
 
 
 @attrs.frozen
+class Settings:
+    """The agent's settings as `levers9-agent run` reads them, or why they could not be read."""
+
+    agent: AgentConfig | None
+    """The whole config; None when a variable is unset (`missing`) or refused (`refused`)."""
+    containers: ContainerConfig | None
+    """The container settings; parsed on their own (by the function `load_config` calls) when
+    `agent` is None; the defaults when containers are off; None when they are refused."""
+    missing: SettingMissing | None = None
+    refused: tuple[ConfigError, ...] = ()
+    """Every variable `run` refuses, once each."""
+
+
+def read_settings(environ: Mapping[str, str]) -> Settings:
+    """Parse `environ` with `load_config`, on a copy (it pops the token)."""
+    missing: SettingMissing | None = None
+    refused: list[ConfigError] = []
+    try:
+        agent = load_config(dict(environ))
+    except SettingMissing as exc:
+        missing = exc
+    except ConfigError as exc:
+        refused.append(exc)
+    else:
+        return Settings(agent, agent.containers or ContainerConfig())
+    # load_config stopped at its first problem; the container settings (the objects and
+    # containers sections' values) still parse on their own.
+    containers: ContainerConfig | None = None
+    try:
+        containers = load_container_config(environ) or ContainerConfig()
+    except ConfigError as exc:
+        if all(seen.variable != exc.variable for seen in refused):
+            refused.append(exc)
+    return Settings(None, containers, missing, tuple(refused))
+
+
+@attrs.frozen
 class SelfCheckContext:
-    """What every section may read: the process environment, passed in so tests can set it."""
+    """What every section may read: the process environment, passed in so tests can set it,
+    and the settings read from it once."""
 
     environ: Mapping[str, str]
+    settings: Settings = attrs.field(
+        default=attrs.Factory(lambda context: read_settings(context.environ), takes_self=True)
+    )
 
 
 Section = Callable[[SelfCheckContext], Iterable[Check]]
+
+
+# -- settings section -----------------------------------------------------------------------------
+
+
+def settings_section(context: SelfCheckContext) -> list[Check]:
+    """Each LEVERS9_* variable `levers9-agent run` refuses; nothing when it takes them all."""
+    return [
+        Check(
+            "settings",
+            exc.variable,
+            Status.FAIL,
+            str(exc),
+            f"fix {exc.variable} in the worker's environment (the controlplane's Job template "
+            "sets it); `levers9-agent run` refuses to start with it as it is",
+        )
+        for exc in context.settings.refused
+    ]
 
 
 # -- GPU section ----------------------------------------------------------------------------------
@@ -293,7 +365,29 @@ def containers_section(context: SelfCheckContext) -> list[Check]:
         )
     else:
         checks.append(Check("containers", "nftables", Status.OK, nft))
-    state_dir = Path(context.environ.get("LEVERS9_STATE_DIR") or "/var/lib/levers9")
+    checks += _state_dir_checks(context.settings.containers)
+    supported, why = checkpoint_support()
+    if supported:
+        checks.append(Check("containers", "checkpoint", Status.OK, "criu check passes"))
+    else:
+        checks.append(
+            Check(
+                "containers",
+                "checkpoint",
+                Status.WARN,
+                f"process checkpoint is unavailable on this node: {why}",
+                "filesystem snapshots work; for process checkpoints use a kernel criu supports",
+            )
+        )
+    return checks
+
+
+def _state_dir_checks(containers: ContainerConfig | None) -> list[Check]:
+    """None: the settings section reports why the state directory is not known."""
+    if containers is None:
+        return []
+    checks: list[Check] = []
+    state_dir = containers.state_dir
     probe = state_dir if state_dir.exists() else state_dir.parent
     if state_dir.exists() and not state_dir.is_dir():
         checks.append(
@@ -323,19 +417,6 @@ def containers_section(context: SelfCheckContext) -> list[Check]:
                 Status.FAIL,
                 f"{state_dir} is not writable",
                 "mount a node-local hostPath there (the worker Job does) or set LEVERS9_STATE_DIR",
-            )
-        )
-    supported, why = checkpoint_support()
-    if supported:
-        checks.append(Check("containers", "checkpoint", Status.OK, "criu check passes"))
-    else:
-        checks.append(
-            Check(
-                "containers",
-                "checkpoint",
-                Status.WARN,
-                f"process checkpoint is unavailable on this node: {why}",
-                "filesystem snapshots work; for process checkpoints use a kernel criu supports",
             )
         )
     return checks
@@ -511,14 +592,6 @@ def node_section(context: SelfCheckContext) -> list[Check]:
 # -- objects section ------------------------------------------------------------------------------
 
 
-def _env_bytes(environ: Mapping[str, str], name: str, default: int) -> int:
-    raw = environ.get(name) or ""
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        return default
-
-
 def free_space_check(
     state_dir: Path, free_bytes: int, budget_bytes: int, floor_bytes: int
 ) -> Check:
@@ -571,9 +644,12 @@ def _probe_writable(state_dir: Path) -> str | None:
 
 
 def objects_section(context: SelfCheckContext) -> list[Check]:
-    """The state directory (objects live under it) can be written, and has room for the budget."""
-    environ = context.environ
-    state_dir = Path(environ.get("LEVERS9_STATE_DIR") or "/var/lib/levers9")
+    """The state directory (objects live under it) can be written, and has room for the budget.
+    Nothing when the container settings are refused (the settings section says which)."""
+    containers = context.settings.containers
+    if containers is None:
+        return []
+    state_dir = containers.state_dir
     why = _probe_writable(state_dir)
     if why is not None:
         return [
@@ -594,8 +670,8 @@ def objects_section(context: SelfCheckContext) -> list[Check]:
         free_space_check(
             state_dir,
             shutil.disk_usage(existing).free,
-            _env_bytes(environ, "LEVERS9_OBJECT_BUDGET_BYTES", 50 << 30),
-            _env_bytes(environ, "LEVERS9_FREE_FLOOR_BYTES", 5 << 30),
+            containers.object_budget_bytes,
+            containers.free_floor_bytes,
         ),
     ]
 
@@ -641,11 +717,8 @@ def clock_skew_check(date_header: str | None, now: datetime.datetime) -> Check:
 
 
 def _describe(group: BaseExceptionGroup[BaseException]) -> str:
-    reasons = []
-    for exc in exception_leaves(group):
-        cause = exc.__cause__
-        reasons.append(failure_reason(cause if cause is not None else exc))
-    return "; ".join(reasons)
+    """Every failure in the group, each by its cause (the OS's or OpenSSL's words) if it has one."""
+    return "; ".join(failure_reason(exc.__cause__ or exc) for exc in exception_leaves(group))
 
 
 async def _tunnel_check(config: AgentConfig) -> Check:
@@ -663,17 +736,19 @@ async def _tunnel_check(config: AgentConfig) -> Check:
     finally:
         await tls.aclose()
     if rejected is not None:
-        return _rejected_check(config, rejected)
+        return _rejected_check(config, [rejected])
     return Check("controlplane", "tunnel", Status.OK, "tunnel handshake accepted")
 
 
-def _rejected_check(config: AgentConfig, rejected: int | None) -> Check:
-    if rejected in (401, 403):
+def _rejected_check(config: AgentConfig, statuses: Sequence[int | None]) -> Check:
+    """The tunnel was refused, with these HTTP statuses (one per refusal seen)."""
+    if any(status in (401, 403) for status in statuses):
+        shown = next(status for status in statuses if status in (401, 403))
         return Check(
             "controlplane",
             "tunnel",
             Status.FAIL,
-            f"the controlplane refused the worker token for {config.worker_id} (HTTP {rejected})",
+            f"the controlplane refused the worker token for {config.worker_id} (HTTP {shown})",
             "check LEVERS9_WORKER_ID and the worker token Secret against the controlplane's "
             "worker tokens",
         )
@@ -681,55 +756,38 @@ def _rejected_check(config: AgentConfig, rejected: int | None) -> Check:
         "controlplane",
         "tunnel",
         Status.FAIL,
-        f"the controlplane refused the tunnel with HTTP {rejected}",
+        "the controlplane refused the tunnel with HTTP "
+        + ", ".join(dict.fromkeys(str(status) for status in statuses)),
         "check the controlplane's logs for this worker",
     )
 
 
-async def controlplane_checks(environ: Mapping[str, str]) -> list[Check]:
-    """Reach the controlplane with TLS verified against LEVERS9_CONTROLPLANE_CA, compare
-    clocks, and in tunnel mode try the tunnel's WebSocket handshake with the worker token."""
-    url = environ.get("LEVERS9_CONTROLPLANE_URL") or ""
-    if not url:
-        return [
-            Check(
-                "controlplane",
-                "reachable",
-                Status.WARN,
-                "not checked: LEVERS9_CONTROLPLANE_URL is not set",
-                "run the self-check with the worker's environment",
-            )
-        ]
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "https" or not parts.hostname:
-        return [
-            Check(
-                "controlplane",
-                "reachable",
-                Status.FAIL,
-                f"LEVERS9_CONTROLPLANE_URL {url!r} is not an https:// URL with a host",
-                "set LEVERS9_CONTROLPLANE_URL to the controlplane's public https URL",
-            )
-        ]
-    ca_file = environ.get("LEVERS9_CONTROLPLANE_CA") or None
-    if ca_file is not None and not await trio.Path(ca_file).is_file():
-        return [
-            Check(
-                "controlplane",
-                "reachable",
-                Status.FAIL,
-                f"LEVERS9_CONTROLPLANE_CA names {ca_file!r}, which is not a file",
-                "mount the controlplane's CA there, or unset it to use the system's CAs",
-            )
-        ]
-    token = environ.get("LEVERS9_WORKER_TOKEN") or ""
-    config = AgentConfig(
-        worker_id=environ.get("LEVERS9_WORKER_ID") or "",
-        token=token,
-        mode=environ.get("LEVERS9_MODE") or "direct",
-        controlplane_url=url.rstrip("/"),
-        controlplane_ca_file=ca_file,
+def _not_checked(settings: Settings) -> Check:
+    if settings.missing is not None:
+        return Check(
+            "controlplane",
+            "reachable",
+            Status.WARN,
+            f"not checked: {settings.missing.variable} is not set",
+            "run the self-check with the worker's environment",
+        )
+    refused = ", ".join(exc.variable for exc in settings.refused)
+    return Check(
+        "controlplane",
+        "reachable",
+        Status.WARN,
+        f"not checked: `levers9-agent run` refuses {refused} (see the settings checks)",
+        "fix the settings first",
     )
+
+
+async def controlplane_checks(settings: Settings) -> list[Check]:
+    """Reach the controlplane with TLS verified against LEVERS9_CONTROLPLANE_CA, compare
+    clocks, and in tunnel mode try the tunnel's WebSocket handshake with the worker token.
+    Not checked (one warning) when the settings are unset or refused."""
+    config = settings.agent
+    if config is None:
+        return [_not_checked(settings)]
     checks: list[Check] = []
     date: str | None = None
     failure: str | None = None
@@ -737,7 +795,7 @@ async def controlplane_checks(environ: Mapping[str, str]) -> list[Check]:
         with trio.fail_after(CONTROLPLANE_TIMEOUT_S):
             tls = await open_controlplane_tls(config, ("h2",))
             async with open_api_client(
-                tls, ApiClient, token=token or "self-check", authority=config.controlplane_host
+                tls, ApiClient, token=config.token, authority=config.controlplane_host
             ) as client:
                 response = await client.open("GET", "/v1/health")
                 date = response.headers.get("date")
@@ -765,26 +823,21 @@ async def controlplane_checks(environ: Mapping[str, str]) -> list[Check]:
     checks.append(clock_skew_check(date, datetime.datetime.now(datetime.UTC)))
     if config.mode != "tunnel":
         return checks
-    if not token or not config.worker_id:
-        checks.append(
-            Check(
-                "controlplane",
-                "tunnel",
-                Status.WARN,
-                "not checked: LEVERS9_WORKER_ID or LEVERS9_WORKER_TOKEN is not set",
-                "run the self-check with the worker's environment",
-            )
-        )
-        return checks
     tunnel: Check | None = None
     try:
         with trio.fail_after(CONTROLPLANE_TIMEOUT_S):
             tunnel = await _tunnel_check(config)
     except* trio_websocket.ConnectionRejected as group:
-        # The rejection may surface from the WebSocket's reader task rather than the handshake.
-        rejected = exception_leaves(group)[0]
-        assert isinstance(rejected, trio_websocket.ConnectionRejected)
-        tunnel = _rejected_check(config, rejected.status_code)
+        # The rejection may surface from the WebSocket's reader task rather than the handshake;
+        # every refusal in the group is translated, not just one of them.
+        tunnel = _rejected_check(
+            config,
+            [
+                leaf.status_code
+                for leaf in exception_leaves(group)
+                if isinstance(leaf, trio_websocket.ConnectionRejected)
+            ],
+        )
     except* _NETWORK_FAILURES as group:
         failure = _describe(group)
     checks.append(
@@ -802,10 +855,11 @@ async def controlplane_checks(environ: Mapping[str, str]) -> list[Check]:
 
 def controlplane_section(context: SelfCheckContext) -> list[Check]:
     """`controlplane_checks` in a trio run of its own."""
-    return trio.run(controlplane_checks, context.environ)
+    return trio.run(controlplane_checks, context.settings)
 
 
 SECTIONS: tuple[Section, ...] = (
+    settings_section,
     gpu_section,
     containers_section,
     node_section,

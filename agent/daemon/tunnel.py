@@ -44,6 +44,7 @@ async def run_tunnel(config: AgentConfig, service: Service) -> None:
         initial_s=tc.backoff_initial_s, cap_s=tc.backoff_cap_s, stable_s=tc.backoff_stable_s
     )
     state = BackoffState()
+    fields = {"worker": config.worker_id, "controlplane": config.controlplane_url}
     async with trio.open_nursery() as nursery:
         while True:
             failure: str | None = None
@@ -60,21 +61,30 @@ async def run_tunnel(config: AgentConfig, service: Service) -> None:
                     config.controlplane_url,
                     failure,
                     delay,
+                    extra={**fields, "reason": failure, "delay_s": round(delay, 3)},
                 )
                 await trio.sleep(delay)
                 continue
             record_connected(state, trio.current_time())
-            log.info("tunnel to %s is up", config.controlplane_url)
+            log.info("tunnel to %s is up", config.controlplane_url, extra=fields)
             with trio.move_on_after(tc.max_age_s):
                 await conn.wait_closed()
             if not conn.closed:
                 # Maximum age: the next tunnel opens first, then this one drains.
-                log.info("tunnel reached its maximum age; opening the next and draining this one")
+                log.info(
+                    "tunnel reached its maximum age; opening the next and draining this one",
+                    extra={**fields, "max_age_s": tc.max_age_s},
+                )
                 nursery.start_soon(_drain, conn, tc.drain_s)
                 continue
             record_disconnect(policy, state, trio.current_time())
             delay = next_delay(policy, state, random.random()) if state.failures else 0.0
-            log.warning("tunnel closed (%s); reconnecting in %.1f s", conn.close_reason, delay)
+            log.warning(
+                "tunnel closed (%s); reconnecting in %.1f s",
+                conn.close_reason,
+                delay,
+                extra={**fields, "reason": conn.close_reason, "delay_s": round(delay, 3)},
+            )
             await trio.sleep(delay)
 
 

@@ -1,7 +1,12 @@
-"""Which container holds which claimed card, rebuilt from records after a restart."""
+"""Which container holds which claimed card, rebuilt from records after a restart.
+
+The rebuild is a decision, not an action: `CardLedger.rebuild` says which running container
+must give a card up (`CardConflict.must_stop`) and the container manager carries that out.
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -11,19 +16,74 @@ from agent.gpus.claim import Card, Claim
 from nvml import Topology
 
 
+class ConflictKind(enum.Enum):
+    SHARED = "shared"
+    """Two running containers' records name the card."""
+    NOT_CLAIMED = "not-claimed"
+    """This worker was not given the card this time (another pod may have it now)."""
+    NOT_SERVING = "not-serving"
+    """Still this worker's, but refused now (a compute process on it, ill health)."""
+
+
+@attrs.frozen
+class CardConflict:
+    """A running container's card that a rebuilt ledger cannot simply give back to it."""
+
+    kind: ConflictKind
+    uuid: str
+    container: str
+    """The container the conflict is about (for SHARED, the one that must stop)."""
+    holder: str | None = None
+    """For SHARED: the container that keeps the card."""
+
+    @property
+    def must_stop(self) -> bool:
+        """Whether `container` may not keep running: it shares the card, or the card is no
+        longer this worker's to use. A card merely refused now stays with its container (the
+        claim refuses a card that runs a process it does not know, which after a restart is
+        the container's own)."""
+        return self.kind is not ConflictKind.NOT_SERVING
+
+    def describe(self) -> str:
+        """One line naming the card and the container, for a log, an event or an error."""
+        if self.kind is ConflictKind.SHARED:
+            return (
+                f"card {self.uuid} is named by running containers {self.holder} and "
+                f"{self.container}; {self.holder} keeps it and {self.container} must stop"
+            )
+        if self.kind is ConflictKind.NOT_CLAIMED:
+            return (
+                f"card {self.uuid} of running container {self.container} was not given to this "
+                f"worker this time; {self.container} must stop"
+            )
+        return (
+            f"card {self.uuid} of running container {self.container} does not serve now; it "
+            f"stays in use until {self.container} ends"
+        )
+
+
+def _uuids(cards: Iterable[Card]) -> frozenset[str]:
+    return frozenset(c.uuid for c in cards)
+
+
 @attrs.define
 class CardLedger:
     """Which container holds which of this worker's cards. One per agent; not thread-safe (the
     agent uses it from its trio thread only)."""
 
     cards: tuple[Card, ...]
+    """The cards that serve: the only ones ever assigned."""
     topology: Topology = attrs.field(factory=Topology)
+    claimed: frozenset[str] = attrs.field(
+        default=attrs.Factory(lambda self: _uuids(self.cards), takes_self=True)
+    )
+    """Every card this worker was given, serving or refused."""
     _holders: dict[str, str] = attrs.field(factory=dict)
     """card UUID -> container id"""
 
     @classmethod
     def for_claim(cls, claim: Claim) -> CardLedger:
-        return cls(cards=claim.serving, topology=claim.topology)
+        return cls(cards=claim.serving, topology=claim.topology, claimed=_uuids(claim.cards))
 
     def in_use(self) -> frozenset[str]:
         return frozenset(self._holders)
@@ -54,33 +114,29 @@ class CardLedger:
             del self._holders[uuid]
         return freed
 
-    @classmethod
-    def rebuild(
-        cls, claim: Claim, running: Mapping[str, Iterable[str]]
-    ) -> tuple[CardLedger, tuple[str, ...]]:
-        """The ledger after an agent restart, from the containers still running and the card
-        UUIDs each was given. Returns it with one line per conflict found.
+    def rebuild(self, running: Mapping[str, Iterable[str]]) -> tuple[CardConflict, ...]:
+        """Who holds what after an agent restart: forgets every holder and gives each running
+        container the card UUIDs its record names. Returns the conflicts found, in container
+        id order. Deterministic and without I/O.
 
-        A card claimed by two running containers stays with the first (by container id) and the
-        conflict is reported; a running container's card that this worker no longer serves is
-        still counted as in use, so it is never handed to another container.
+        A card named by two running containers stays with the first (by container id); the
+        other must stop. Every card a running container names is counted as in use, served or
+        not, so it is never handed to another container while that one runs.
         """
-        ledger = cls.for_claim(claim)
-        serving = {c.uuid for c in ledger.cards}
-        problems: list[str] = []
+        self._holders.clear()
+        serving = _uuids(self.cards)
+        conflicts: list[CardConflict] = []
         for container_id in sorted(running):
             for uuid in sorted(set(running[container_id])):
-                holder = ledger._holders.get(uuid)
+                holder = self._holders.get(uuid)
                 if holder is not None:
-                    problems.append(
-                        f"card {uuid} is held by running containers {holder} and {container_id}; "
-                        f"it stays with {holder}, stop {container_id}"
+                    conflicts.append(
+                        CardConflict(ConflictKind.SHARED, uuid, container_id, holder=holder)
                     )
                     continue
-                if uuid not in serving:
-                    problems.append(
-                        f"running container {container_id} holds card {uuid}, which this "
-                        "worker does not serve now; it stays in use until the container ends"
-                    )
-                ledger._holders[uuid] = container_id
-        return ledger, tuple(problems)
+                if uuid not in self.claimed:
+                    conflicts.append(CardConflict(ConflictKind.NOT_CLAIMED, uuid, container_id))
+                elif uuid not in serving:
+                    conflicts.append(CardConflict(ConflictKind.NOT_SERVING, uuid, container_id))
+                self._holders[uuid] = container_id
+        return tuple(conflicts)

@@ -24,7 +24,7 @@ def parse_cri_line(line: str) -> LogLine | None:
     return LogLine(time=parts[0], stream=parts[1], text=text, partial=parts[2] == "P")
 
 
-class _LogReader:
+class LogReader:
     """Reads whole lines from a log file the shim appends to and may rotate."""
 
     def __init__(self, path: Path) -> None:
@@ -64,7 +64,7 @@ class _LogReader:
             self._file.close()
 
 
-def _read_lines(path: Path) -> list[str]:
+def read_lines(path: Path) -> list[str]:
     try:
         return path.read_text("utf-8", "replace").splitlines()
     except FileNotFoundError:

@@ -45,18 +45,27 @@ from agent.api.models import (
 )
 from agent.gpus.allocator import Refusal
 from agent.gpus.edits import spec_edits
+from agent.gpus.ledger import CardConflict, ConflictKind
 from agent.runtime.config import ContainerConfig
 from agent.runtime.exec import ExecSession
-from agent.runtime.images.puller import ImagePuller, RegistryCredentials
+from agent.runtime.images.auth import RegistryCredentials
+from agent.runtime.images.puller import ImagePuller
 from agent.runtime.layers import LayerCache
-from agent.runtime.logreader import LOG_POLL_S, _LogReader, _read_lines, parse_cri_line
+from agent.runtime.logreader import LOG_POLL_S, LogReader, parse_cri_line, read_lines
 from agent.runtime.network import NETNS_DIR, Networking, hosts_file, resolv_conf
-from agent.runtime.ocispec import Bind, Limits, RuntimeSpec, exec_process, write_bundle
+from agent.runtime.ocispec import (
+    Bind,
+    Limits,
+    RuntimeSpec,
+    exec_process,
+    merge_env,
+    write_bundle,
+)
 from agent.runtime.records import (
-    FINISHED,
     MAX_EVENTS,
     Container,
     ContainerRecord,
+    ContainerState,
     Gpus,
     ImageRecord,
     orphans,
@@ -74,7 +83,7 @@ from agent.runtime.runc import (
     wait_exit,
 )
 from agent.runtime.shim import shim_path
-from agent.runtime.spec import merge_env, process_args, resolve_user, validate_spec
+from agent.runtime.spec import process_args, resolve_user, validate_spec
 from agent.store.objects import ObjectStore
 from agent.volumes.supervisor import Volumes
 from agent.wire.errors import ApiError, ErrorCode, dumps, loads
@@ -133,7 +142,7 @@ class ContainerManager:
     def address_of(self, container_id: str) -> str:
         container = self.get(container_id)
         net = container.record.network
-        if container.state != "running" or net is None:
+        if container.state is not ContainerState.RUNNING or net is None:
             raise ApiError(
                 ErrorCode.FAILED_PRECONDITION,
                 f"container {container_id} is {container.state}, not running; its ports are "
@@ -153,7 +162,7 @@ class ContainerManager:
         container_id = spec.id or f"c-{os.urandom(6).hex()}"
         existing = self._containers.get(container_id)
         if existing is not None:
-            if existing.state not in FINISHED:
+            if not existing.state.finished:
                 raise ApiError(
                     ErrorCode.ALREADY_EXISTS,
                     f"container {container_id} already exists ({existing.state})",
@@ -175,7 +184,7 @@ class ContainerManager:
                 volumes=tuple(attrs.evolve(v, s3=None, gcs=None) for v in spec.volumes),
             ),
             created_at=time.time(),
-            state="pulling",
+            state=ContainerState.PULLING,
         )
         container = Container(record=record, directory=self.root / container_id)
         self._containers[container_id] = container
@@ -202,7 +211,9 @@ class ContainerManager:
         except ApiError as exc:
             container.failure = exc
         except Exception as exc:
-            log.exception("container %s: creation failed", container.id)
+            log.exception(
+                "container %s: creation failed", container.id, extra={"container": container.id}
+            )
             container.failure = ApiError(
                 ErrorCode.INTERNAL, f"container {container.id} could not be created: {exc}"
             )
@@ -212,18 +223,7 @@ class ContainerManager:
                 f"container {container.id} was stopped before it started",
             )
         if container.failure is not None:
-            with trio.CancelScope(shield=True):
-                await self._teardown(container)
-            self._update(
-                container,
-                state="failed",
-                finished_at=time.time(),
-                error=container.failure.message,
-                error_code=container.failure.code.name,
-            )
-            log.warning("container %s failed: %s", container.id, container.failure.message)
-            container.settled.set()
-            container.finished.set()
+            await self._fail(container, container.failure.code, container.failure.message)
             return
         container.settled.set()
         await self._watch(container)
@@ -273,7 +273,7 @@ class ContainerManager:
         lap("start")
         self._update(
             container,
-            state="running",
+            state=ContainerState.RUNNING,
             started_at=time.time(),
             shim_pid=handle.shim_pid,
             container_pid=handle.pid,
@@ -284,6 +284,8 @@ class ContainerManager:
             spec.image,
             extra={
                 "container": container.id,
+                "image": spec.image,
+                "duration_s": round(sum(container.timings.values()), 3),
                 **{f"{k}_ms": round(v * 1000, 1) for k, v in container.timings.items()},
             },
         )
@@ -350,7 +352,7 @@ class ContainerManager:
         self._update(
             container,
             save=False,
-            state="creating",
+            state=ContainerState.CREATING,
             image=ImageRecord(
                 reference=image.reference,
                 manifest_digest=image.manifest_digest,
@@ -378,7 +380,7 @@ class ContainerManager:
             spec.user if spec.user is not None else image.config.user, passwd, group
         )
         argv = process_args(spec, image.config.entrypoint, image.config.cmd)
-        env = merge_env(image.config.env, spec.env)
+        env = merge_env(image.config.env, [f"{k}={v}" for k, v in spec.env.items()])
         gpu_fragment = None
         if spec.cards:
             gpu_fragment, cards = self._assign_cards(container, env)
@@ -460,31 +462,64 @@ class ContainerManager:
 
     async def _finish(self, container: Container, status: ExitStatus | None) -> None:
         oom = await trio.to_thread.run_sync(oom_killed, container.cgroups_path)
+        if status is None:
+            await self._fail(
+                container,
+                ErrorCode.INTERNAL,
+                "the container's shim ended without recording an exit status",
+                oom_killed=oom,
+            )
+            return
         with trio.CancelScope(shield=True):
             await self._teardown(container)
-        if status is None:
-            self._update(
-                container,
-                state="failed",
-                finished_at=time.time(),
-                oom_killed=oom,
-                error="the container's shim ended without recording an exit status",
-                error_code=ErrorCode.INTERNAL.name,
-            )
-        else:
-            self._update(
-                container,
-                state="exited",
-                finished_at=time.time(),
-                exit_code=status.exit_code,
-                oom_killed=oom,
-            )
+        self._update(
+            container,
+            state=ContainerState.EXITED,
+            finished_at=time.time(),
+            exit_code=status.exit_code,
+            oom_killed=oom,
+        )
         log.info(
             "container %s exited with %s%s",
             container.id,
-            container.record.exit_code,
+            status.exit_code,
             " (out of memory)" if oom else "",
+            extra={"container": container.id, "exit_code": status.exit_code, "oom_killed": oom},
         )
+        container.finished.set()
+
+    async def _fail(
+        self,
+        container: Container,
+        code: ErrorCode,
+        reason: str,
+        *,
+        kill: bool = False,
+        **changes: Any,
+    ) -> None:
+        """The one way a container ends as failed: with `kill`, SIGKILL whatever of it may
+        still run; give back everything it held; record why (`reason`, `code`); wake whoever
+        waits for it to settle or end."""
+        if kill:
+            with contextlib.suppress(ApiError):
+                await self.runc.kill(container.id, signal.SIGKILL, all_processes=True)
+        with trio.CancelScope(shield=True):
+            await self._teardown(container)
+        self._update(
+            container,
+            state=ContainerState.FAILED,
+            finished_at=time.time(),
+            error=reason,
+            error_code=code.name,
+            **changes,
+        )
+        log.warning(
+            "container %s failed: %s",
+            container.id,
+            reason,
+            extra={"container": container.id, "error_code": code.name},
+        )
+        container.settled.set()
         container.finished.set()
 
     async def _teardown(self, container: Container) -> None:
@@ -520,7 +555,7 @@ class ContainerManager:
             for message in failed:
                 self._event(container, message)
         for problem in problems:
-            log.warning("container %s cleanup: %s", cid, problem)
+            log.warning("container %s cleanup: %s", cid, problem, extra={"container": cid})
 
     async def stop(self, container_id: str, *, grace_s: float | None = None) -> Container:
         """SIGTERM, then SIGKILL to every process after the grace period; waits for the end."""
@@ -530,9 +565,9 @@ class ContainerManager:
             container.cancel_scope.cancel()
             await container.finished.wait()
             return container
-        if container.state in FINISHED:
+        if container.state.finished:
             return container
-        self._update(container, state="stopping")
+        self._update(container, state=ContainerState.STOPPING)
         with contextlib.suppress(ApiError):
             await self.runc.kill(container_id, signal.SIGTERM)
         with trio.move_on_after(grace):
@@ -562,7 +597,7 @@ class ContainerManager:
         capabilities and limits."""
         container = self.get(container_id)
         runtime = container.record.runtime
-        if container.state != "running" or runtime is None:
+        if container.state is not ContainerState.RUNNING or runtime is None:
             raise ApiError(
                 ErrorCode.FAILED_PRECONDITION,
                 f"container {container_id} is {container.state}; exec needs it running",
@@ -593,7 +628,7 @@ class ContainerManager:
 
     async def snapshot(self, container_id: str) -> SnapshotInfo:
         """Write the container's filesystem changes as one OCI layer into the object store."""
-        from agent.runtime.layers import write_layer
+        from agent.runtime.snapshots import write_layer
 
         container = self.get(container_id)
         upper = container.directory / "upper"
@@ -603,7 +638,7 @@ class ContainerManager:
                 f"container {container_id} has no filesystem yet ({container.state})",
             )
         paused = False
-        if container.state == "running":
+        if container.state is ContainerState.RUNNING:
             # A frozen container cannot change files while they are read.
             with contextlib.suppress(ApiError):
                 await self.runc.pause(container_id)
@@ -641,11 +676,11 @@ class ContainerManager:
         path = container.log_path
         previous = path.with_name("log.1")
         if previous.exists():
-            for line in await trio.to_thread.run_sync(_read_lines, previous):
+            for line in await trio.to_thread.run_sync(read_lines, previous):
                 parsed = parse_cri_line(line)
                 if parsed:
                     yield parsed
-        reader = _LogReader(path)
+        reader = LogReader(path)
         try:
             while True:
                 finished = container.finished.is_set()
@@ -664,7 +699,7 @@ class ContainerManager:
             reader.close()
 
     def _event(self, container: Container, message: str) -> None:
-        log.warning("container %s: %s", container.id, message)
+        log.warning("container %s: %s", container.id, message, extra={"container": container.id})
         self._update(container, events=(*container.record.events, message)[-MAX_EVENTS:])
 
     def volume_event(self, holders: tuple[str, ...], message: str) -> None:
@@ -686,8 +721,8 @@ class ContainerManager:
 
     async def recover(self) -> None:
         """Adopt what the previous agent left: containers still running keep running (with
-        their logs), those that ended are recorded as such, and whatever no record owns is
-        cleaned away."""
+        their logs and cards), those that ended are recorded as such, those that may not keep
+        their cards are stopped, and whatever no record owns is cleaned away."""
         self.root.mkdir(parents=True, exist_ok=True)
         for info in (
             sorted(self.snapshots_dir.glob("*.json")) if self.snapshots_dir.is_dir() else []
@@ -696,6 +731,7 @@ class ContainerManager:
                 snap = loads(info.read_bytes(), SnapshotInfo)
                 if self.store.contains(snap.digest):
                     self.store.pin(snap.digest, SNAPSHOT_OWNER)
+        adopted: list[Container] = []
         for directory in sorted(self.root.iterdir()):
             record_file = directory / "record.json"
             if not record_file.is_file():
@@ -704,7 +740,12 @@ class ContainerManager:
             try:
                 record = loads(record_file.read_bytes(), ContainerRecord)
             except ApiError as exc:
-                log.warning("dropping unreadable container record %s: %s", record_file, exc)
+                log.warning(
+                    "dropping unreadable container record %s: %s",
+                    record_file,
+                    exc,
+                    extra={"container": directory.name},
+                )
                 container = Container(
                     record=ContainerRecord(
                         id=directory.name,
@@ -723,70 +764,125 @@ class ContainerManager:
                 for blob in (*record.image.blobs, *record.image.layers):
                     if self.store.contains(blob):
                         self.store.pin(blob, record.id)
-            await self._recover_one(container)
-        running = {c.id for c in self._containers.values() if c.state == "running"}
+            if await self._recover_one(container):
+                adopted.append(container)
+        kept = await self._settle_cards(adopted)
+        for container in kept:
+            self._nursery.start_soon(self._watch, container)
+        running = {c.id for c in kept}
         runc_ids = [s.id for s in await self.runc.list()]
         stray_runc, stray_mounts = orphans(running, runc_ids, overlay_mounts_under(self.root))
         for cid in stray_runc:
-            log.warning("removing runc container %s that no running record owns", cid)
+            log.warning(
+                "removing runc container %s that no running record owns",
+                cid,
+                extra={"container": cid},
+            )
             with contextlib.suppress(ApiError):
                 await self.runc.delete(cid, force=True)
             remove_cgroup(f"/levers9/{cid}")
         for mount in stray_mounts:
-            log.warning("unmounting %s that no running container owns", mount)
+            log.warning(
+                "unmounting %s that no running container owns",
+                mount,
+                extra={"container": mount.parent.name, "mount": str(mount)},
+            )
             unmount(mount)
-        for cid in await self.networking.sweep(keep=running):
-            log.warning("removed the network of %s, which no running container owns", cid)
+        swept = await self.networking.sweep(keep=running)
+        for cid in swept:
+            log.warning(
+                "removed the network of %s, which no running container owns",
+                cid,
+                extra={"container": cid},
+            )
+        log.info(
+            "recovered %d container record(s): %d re-adopted, %d stopped for their cards",
+            len(self._containers),
+            len(kept),
+            len(adopted) - len(kept),
+            extra={
+                "records": len(self._containers),
+                "adopted": len(kept),
+                "stopped_for_cards": len(adopted) - len(kept),
+                "stray_runc": len(stray_runc),
+                "stray_mounts": len(stray_mounts),
+                "stray_networks": len(swept),
+            },
+        )
 
-    async def _recover_one(self, container: Container) -> None:
+    async def _recover_one(self, container: Container) -> bool:
+        """What became of one record's container while no agent ran: it ended, it must stop,
+        it was lost, or it still runs. True for the last: it is re-adopted, and watched once
+        `_settle_cards` has given it its cards back."""
         record = container.record
-        if record.state in FINISHED:
+        if record.state.finished:
             container.finished.set()
-            return
+            return False
         exit_status = read_exit(container.directory / "exit.json")
         state = await self.runc.state(record.id)
-        shim_alive = running_shim(container.directory / "exit.json") is not None
+        alive = state is not None and state.status in ("running", "paused")
         if exit_status is not None or (state is not None and state.status == "stopped"):
-            log.info("container %s ended while the agent was away", record.id)
+            log.info(
+                "container %s ended while the agent was away",
+                record.id,
+                extra={"container": record.id},
+            )
             await self._finish(container, exit_status)
-        elif record.spec.volumes and state is not None and state.status in ("running", "paused"):
+            return False
+        if alive and record.spec.volumes:
             # Bucket credentials are held in memory only: the new agent cannot remount or
             # look after them, so such a container is stopped rather than left half served.
-            log.warning("stopping container %s: its buckets cannot be kept up", record.id)
-            with contextlib.suppress(ApiError):
-                await self.runc.kill(record.id, signal.SIGKILL, all_processes=True)
-            with trio.CancelScope(shield=True):
-                await self._teardown(container)
-            self._update(
+            await self._fail(
                 container,
-                state="failed",
-                finished_at=time.time(),
-                error="stopped after an agent restart: its bucket credentials were held in "
-                "memory by the previous agent; create it again",
-                error_code=ErrorCode.UNAVAILABLE.name,
+                ErrorCode.UNAVAILABLE,
+                "stopped after an agent restart: its bucket credentials were held in memory by "
+                "the previous agent; create it again",
+                kill=True,
             )
-            container.finished.set()
-        elif shim_alive and state is not None and state.status in ("running", "paused"):
-            log.info("re-adopting running container %s", record.id)
-            if self.gpus is not None and record.cards:
-                for uuid in record.cards:
-                    self.gpus.ledger._holders.setdefault(uuid, record.id)
-            self._nursery.start_soon(self._watch, container)
+            return False
+        if alive and running_shim(container.directory / "exit.json") is not None:
+            log.info("re-adopting running container %s", record.id, extra={"container": record.id})
+            return True
+        await self._fail(
+            container,
+            ErrorCode.UNAVAILABLE,
+            "the container was lost while the agent was not running",
+            kill=state is not None,
+        )
+        return False
+
+    async def _settle_cards(self, adopted: Sequence[Container]) -> list[Container]:
+        """Rebuild the card ledger from the re-adopted containers' records and act on what it
+        reports: a container that shares a card with another or holds one no longer given to
+        this worker is stopped, naming the card; one whose card merely does not serve now
+        keeps it and is told. Returns the containers that keep running."""
+        holding = {c.id: c.record.cards for c in adopted if c.record.cards}
+        if self.gpus is not None:
+            conflicts = self.gpus.ledger.rebuild(holding)
         else:
-            log.warning("container %s was lost while the agent was away; cleaning up", record.id)
-            if state is not None:
-                with contextlib.suppress(ApiError):
-                    await self.runc.kill(record.id, signal.SIGKILL, all_processes=True)
-            with trio.CancelScope(shield=True):
-                await self._teardown(container)
-            self._update(
-                container,
-                state="failed",
-                finished_at=time.time(),
-                error="the container was lost while the agent was not running",
-                error_code=ErrorCode.UNAVAILABLE.name,
+            # No ledger (no card serves now): nothing can be handed out twice, and a
+            # container keeps what it holds.
+            conflicts = tuple(
+                CardConflict(ConflictKind.NOT_SERVING, uuid, cid)
+                for cid, cards in sorted(holding.items())
+                for uuid in cards
             )
-            container.finished.set()
+        to_stop: dict[str, list[CardConflict]] = {}
+        for conflict in conflicts:
+            if conflict.must_stop:
+                to_stop.setdefault(conflict.container, []).append(conflict)
+            else:
+                self._event(self._containers[conflict.container], conflict.describe())
+        for cid, found in to_stop.items():
+            await self._fail(
+                self._containers[cid],
+                ErrorCode.UNAVAILABLE,
+                "stopped after an agent restart: "
+                + "; ".join(c.describe() for c in found)
+                + "; create it again",
+                kill=True,
+            )
+        return [c for c in adopted if c.id not in to_stop]
 
     async def _evict(self) -> None:
         try:
@@ -802,13 +898,18 @@ class ContainerManager:
                 for d in c.record.image.layers
             }
             removed = await trio.to_thread.run_sync(self.layers.remove_unused, keep)
-            log.info("evicted %d object(s) and %d unpacked layer(s)", len(evicted), len(removed))
+            log.info(
+                "evicted %d object(s) and %d unpacked layer(s)",
+                len(evicted),
+                len(removed),
+                extra={"objects_evicted": len(evicted), "layers_removed": len(removed)},
+            )
 
     async def shutdown(self) -> None:
         """Stop every container (the worker is going away)."""
         async with trio.open_nursery() as nursery:
             for container in list(self._containers.values()):
-                if container.state not in FINISHED:
+                if not container.state.finished:
                     nursery.start_soon(self._stop_quietly, container.id)
 
     async def _stop_quietly(self, container_id: str) -> None:
@@ -889,7 +990,11 @@ async def _node_lock(path: Path) -> AsyncIterator[None]:
                 break
             except BlockingIOError:
                 if not warned:
-                    log.warning("another agent is using %s; waiting for it to end", path.parent)
+                    log.warning(
+                        "another agent is using %s; waiting for it to end",
+                        path.parent,
+                        extra={"state_dir": str(path.parent)},
+                    )
                     warned = True
                 await trio.sleep(0.5)
         yield
@@ -931,7 +1036,11 @@ async def _open_manager(
         async with trio.open_nursery() as nursery:
             await nursery.start(volumes.run)
             for stale in await volumes.sweep():
-                log.warning("unmounted bucket %s left by a previous agent", stale)
+                log.warning(
+                    "unmounted bucket %s left by a previous agent",
+                    stale,
+                    extra={"mount": str(stale)},
+                )
             manager = ContainerManager(
                 config,
                 store=store,

@@ -213,7 +213,9 @@ def validate(spec: RuntimeSpec) -> None:
 
 
 def merge_env(*layers: Iterable[str]) -> list[str]:
-    """`KEY=value` lists merged by key, later layers winning, first-seen order kept."""
+    """`KEY=value` lists merged by key, later layers winning, first-seen order kept. The one
+    merge of a process's environment (the image's, the spec's, the cards', an exec's); it adds
+    nothing itself: the default PATH is the first layer `oci_config` and `exec_process` give."""
     merged: dict[str, str] = {}
     for layer in layers:
         for entry in layer:

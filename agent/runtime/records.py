@@ -4,6 +4,7 @@ in-memory holder the manager mutates.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import (
     Sequence,
@@ -27,8 +28,24 @@ from agent.runtime.ocispec import RuntimeSpec
 from agent.wire.errors import ApiError
 
 CONTAINER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-FINISHED = ("exited", "failed")
 MAX_EVENTS = 20
+
+
+class ContainerState(enum.StrEnum):
+    """Where a container is in its life. The values are what the worker API's
+    `ContainerStatus.state` and the on-disk record say."""
+
+    PULLING = "pulling"
+    CREATING = "creating"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        """The container has ended and gives nothing back any more."""
+        return self in (ContainerState.EXITED, ContainerState.FAILED)
 
 
 @attrs.frozen
@@ -59,7 +76,7 @@ class ContainerRecord:
     finished_at: float | None = None
     exit_code: int | None = None
     oom_killed: bool = False
-    state: str = "creating"
+    state: ContainerState = ContainerState.CREATING
     error: str | None = None
     error_code: str | None = None
     events: tuple[str, ...] = ()
@@ -89,7 +106,7 @@ class Container:
         return self.record.id
 
     @property
-    def state(self) -> str:
+    def state(self) -> ContainerState:
         return self.record.state
 
     @property
@@ -103,7 +120,7 @@ class Container:
     def status(self) -> ContainerStatus:
         r = self.record
         pull = None
-        if r.state == "pulling" or self.progress.total_bytes:
+        if r.state is ContainerState.PULLING or self.progress.total_bytes:
             pull = PullStatus(
                 phase=self.progress.phase,
                 done_bytes=self.progress.done_bytes,
@@ -112,7 +129,7 @@ class Container:
         return ContainerStatus(
             id=r.id,
             image=r.spec.image,
-            state=r.state,
+            state=r.state.value,
             created_at=r.created_at,
             image_digest=r.image.manifest_digest if r.image else None,
             started_at=r.started_at,
@@ -122,7 +139,9 @@ class Container:
             error=r.error,
             error_code=r.error_code,
             pull=pull,
-            address=r.network.address if r.network and r.state == "running" else None,
+            address=(
+                r.network.address if r.network and r.state is ContainerState.RUNNING else None
+            ),
             ports=r.spec.ports,
             cards=r.cards,
             labels=r.spec.labels,

@@ -1,14 +1,12 @@
 """Pure checks and derivations on a `ContainerSpec`: refused at the edge naming the field;
-the process's argv, environment and user as the image and the spec combine them.
+the process's argv and user as the image and the spec combine them (the environment is merged
+by `agent.runtime.ocispec.merge_env`, with the rest of the process).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import (
-    Mapping,
-    Sequence,
-)
+from collections.abc import Sequence
 
 from agent.api.digests import parse_digest
 from agent.api.models import (
@@ -123,16 +121,6 @@ def process_args(spec: ContainerSpec, entrypoint: Sequence[str], cmd: Sequence[s
             field="command",
         )
     return argv
-
-
-def merge_env(image_env: Sequence[str], env: Mapping[str, str]) -> list[str]:
-    merged: dict[str, str] = {}
-    for entry in image_env:
-        key, _, value = entry.partition("=")
-        merged[key] = value
-    merged.update(env)
-    merged.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-    return [f"{k}={v}" for k, v in merged.items()]
 
 
 def _table(text: str) -> list[list[str]]:

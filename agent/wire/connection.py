@@ -420,6 +420,7 @@ class Http2Connection:
         self._blocked: set[H2Stream] = set()
         self._closed = False
         self._close_reason: str | None = None
+        self._closed_by_peer = False
         self._draining = False
         self._closed_event = trio.Event()
         self._ready = trio.Event()
@@ -436,21 +437,29 @@ class Http2Connection:
     # -- lifecycle --
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve the connection until it closes; handlers run in a nursery owned here."""
+        """Serve the connection until it closes; handlers run in a nursery owned here.
+
+        A connection that ends before it is ready (the peer reset it, or closed it right after
+        the TLS handshake, before our preface went out) raises `ConnectionLost` to whoever
+        starts it, the error every caller already retries, instead of returning without
+        calling `task_status.started()` (which `nursery.start` turns into a RuntimeError).
+        """
+        ready = False
         try:
             async with trio.open_nursery() as nursery:
                 self._handler_nursery = nursery
                 self._proto.initiate()
                 try:
                     await self._flush()
+                    ready = True
                 except trio.BrokenResourceError as exc:
-                    self._mark_closed(f"transport broke: {exc}")
-                    return
-                self._ready.set()
-                task_status.started()
-                if self._keepalive is not None:
-                    nursery.start_soon(self._keepalive_loop, self._keepalive)
-                await self._read_loop()
+                    self._mark_closed(f"transport broke before the connection was ready: {exc}")
+                if ready:
+                    self._ready.set()
+                    task_status.started()
+                    if self._keepalive is not None:
+                        nursery.start_soon(self._keepalive_loop, self._keepalive)
+                    await self._read_loop()
                 nursery.cancel_scope.cancel()
         except trio.BrokenResourceError as exc:
             self._mark_closed(f"transport broke: {exc}")
@@ -461,6 +470,8 @@ class Http2Connection:
                     await self.transport.aclose()
                 except trio.BrokenResourceError:
                     pass
+        if not ready:
+            raise ConnectionLost(self._close_reason or "connection closed before it was ready")
 
     async def _read_loop(self) -> None:
         while True:
@@ -470,6 +481,7 @@ class Http2Connection:
                 self._mark_closed(f"transport broke: {exc}")
                 return
             if not data:
+                self._closed_by_peer = True
                 self._mark_closed("peer closed the connection")
                 return
             self._last_receive = trio.current_time()
@@ -660,6 +672,11 @@ class Http2Connection:
     @property
     def close_reason(self) -> str | None:
         return self._close_reason
+
+    @property
+    def closed_by_peer(self) -> bool:
+        """The peer ended the connection cleanly (end of stream), the ordinary way to go."""
+        return self._closed_by_peer
 
     @property
     def draining(self) -> bool:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -23,7 +24,7 @@ import trio_websocket
 
 from agent.api.client import WorkerClient
 from agent.api.models import Registration, WorkerInfo, WorkerSummary
-from agent.wire.connection import Http2Connection, KeepaliveConfig
+from agent.wire.connection import ConnectionLost, Http2Connection, KeepaliveConfig
 from agent.wire.errors import ApiError, ErrorCode
 from agent.wire.service import JsonResponse, Request, Router, Service, bearer_token
 from agent.wire.tls import TLSStream
@@ -33,9 +34,21 @@ from control.api.tasks import WORKSPACE_PREFIX, add_task_routes
 from control.config import ControlConfig
 from control.kube.adapter import open_kube_client
 from control.kube.joined import JoinedPoolStore, own_cluster
-from control.kube.loop import PoolReconciler
+from control.kube.loop import PoolReconciler, PoolStatus
+from control.kube.planner import Machine
 from control.kube.pools import PoolConfig, load_pools
-from control.models import PoolList, PoolView
+from control.models import (
+    CardCounts,
+    MachineList,
+    MachineView,
+    MachineWorker,
+    PoolList,
+    PoolPass,
+    PoolView,
+    SkippedNode,
+    WorkerList,
+    WorkerState,
+)
 from control.registry import WorkerRegistry
 from control.tasks.dispatch import Dispatcher
 from control.tasks.store import open_task_store
@@ -47,11 +60,6 @@ REMOVE_POOL_S = 60.0
 log = logging.getLogger("levers9.control")
 
 WORKER_CALL_TIMEOUT_S = 30.0
-
-
-@attrs.frozen
-class WorkerList:
-    workers: tuple[WorkerSummary, ...]
 
 
 def server_ssl_context(config: ControlConfig) -> ssl.SSLContext:
@@ -156,7 +164,9 @@ class Controlplane:
                     f"worker {worker_id} has tasks placed on it; it stays",
                 )
             self.registry.deregister(worker_id)
-            log.info("worker %s deregistered: it winds down", worker_id)
+            log.info(
+                "worker %s deregistered: it winds down", worker_id, extra={"worker": worker_id}
+            )
             return JsonResponse({})
 
         async def list_workers(request: Request) -> WorkerList:
@@ -175,24 +185,9 @@ class Controlplane:
                 f"worker {worker_id} did not answer within {WORKER_CALL_TIMEOUT_S:g} s",
             )
 
-        async def list_machines(request: Request) -> JsonResponse:
+        async def list_machines(request: Request) -> MachineList:
             require_user(request)
-            return JsonResponse(
-                {
-                    "machines": [m.to_json() for r in self.pools for m in r.status.machines],
-                    "pools": [
-                        {
-                            "pool": r.status.pool,
-                            "passedAt": r.status.passed_at,
-                            "error": r.status.error,
-                            "skipped": [
-                                {"node": n.node, "reason": n.reason} for n in r.status.skipped
-                            ],
-                        }
-                        for r in self.pools
-                    ],
-                }
-            )
+            return machine_list([r.status for r in self.pools])
 
         def joined_store() -> JoinedPoolStore:
             if self.joined is None:
@@ -244,7 +239,12 @@ class Controlplane:
             async with self._pools_lock:
                 pool = await store.put({**block, "name": name})
                 await self.set_pools([*self.config_pools, *store.pools()])
-            log.info("pool %s joined (%s)", name, pool.kubernetes.endpoint)
+            log.info(
+                "pool %s joined (%s)",
+                name,
+                pool.kubernetes.endpoint,
+                extra={"pool": name, "endpoint": pool.kubernetes.endpoint},
+            )
             return next(v for v in self.pool_views() if v.name == name)
 
         async def delete_pool(request: Request) -> PoolView:
@@ -258,7 +258,7 @@ class Controlplane:
             async with self._pools_lock:
                 await store.remove(name)
                 await self.set_pools([*self.config_pools, *store.pools()])
-            log.info("pool %s left: its workers were removed", name)
+            log.info("pool %s left: its workers were removed", name, extra={"pool": name})
             return views[0]
 
         router.add("GET", "/v1/pools", list_pools)
@@ -307,6 +307,7 @@ class Controlplane:
                         "joined pool %s is shadowed by config.worker.pools[%s]",
                         pool.name,
                         pool.name,
+                        extra={"pool": pool.name},
                     )
             await self.set_pools([*pools, *(p for p in joined if p.name not in names)])
 
@@ -335,11 +336,17 @@ class Controlplane:
                         namespace,
                         delay_s,
                         exc.message,
+                        extra={"namespace": namespace, "retry_in_s": delay_s},
                     )
                 await trio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 30.0)
             self.joined = store
-            log.info("joined pools: %d kept in namespace %s", len(store.blocks), namespace)
+            log.info(
+                "joined pools: %d kept in namespace %s",
+                len(store.blocks),
+                namespace,
+                extra={"namespace": namespace, "pools": len(store.blocks)},
+            )
             await self.set_config_pools(self.config_pools)
             task_status.started()
             await trio.sleep_forever()
@@ -387,9 +394,12 @@ class Controlplane:
                             await run.reconciler.remove_all()
                         except ApiError as exc:
                             log.warning(
-                                "pool %s: its workers could not be removed: %s", pool.name, exc
+                                "pool %s: its workers could not be removed: %s",
+                                pool.name,
+                                exc,
+                                extra={"pool": pool.name},
                             )
-                    log.info("pool %s removed", pool.name)
+                    log.info("pool %s removed", pool.name, extra={"pool": pool.name})
         finally:
             run.done.set()
 
@@ -399,12 +409,14 @@ class Controlplane:
             with trio.fail_after(self.config.tunnel.handshake_timeout_s):
                 await tls.do_handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            log.info("TLS handshake failed: %s", exc)
+            log.info("TLS handshake failed: %s", exc, extra={"peer": _peer(tcp)})
             await tls.aclose()
             return
         if tls.selected_alpn_protocol() == "h2":
             conn = Http2Connection(tls, client_side=False, handler=self.service, name="api")
-            await conn.run()
+            with contextlib.suppress(ConnectionLost):
+                # Gone before it was ready (reset right after the handshake): nothing to serve.
+                await conn.run()
             return
         await self._accept_tunnel(tls)
 
@@ -426,7 +438,11 @@ class Controlplane:
                 return
             worker_id = parts[2]
             if token is None or not self.registry.check_token(worker_id, token):
-                log.warning("tunnel for worker %s refused: wrong or missing token", worker_id)
+                log.warning(
+                    "tunnel for worker %s refused: wrong or missing token",
+                    worker_id,
+                    extra={"worker": worker_id},
+                )
                 await request.reject(401, body=b"wrong or missing worker token\n")
                 nursery.cancel_scope.cancel()
                 return
@@ -440,13 +456,22 @@ class Controlplane:
             await nursery.start(conn.run)
             client = WorkerClient(conn, token=token, authority=worker_id)
             self.registry.attach_tunnel(worker_id, client, version=headers.get("x-levers9-version"))
-            log.info("worker %s connected through its tunnel", worker_id)
+            log.info(
+                "worker %s connected through its tunnel",
+                worker_id,
+                extra={"worker": worker_id},
+            )
             nursery.start_soon(self._learn, worker_id, client)
             try:
                 await conn.wait_closed()
             finally:
                 self.registry.detach_tunnel(worker_id, client)
-                log.info("tunnel of worker %s closed: %s", worker_id, conn.close_reason)
+                log.info(
+                    "tunnel of worker %s closed: %s",
+                    worker_id,
+                    conn.close_reason,
+                    extra={"worker": worker_id, "reason": conn.close_reason or "closed"},
+                )
                 nursery.cancel_scope.cancel()
 
     async def _learn(self, worker_id: str, client: WorkerClient) -> None:
@@ -455,9 +480,54 @@ class Controlplane:
             try:
                 info = await client.worker()
             except ApiError as exc:
-                log.info("could not ask worker %s about itself: %s", worker_id, exc.message)
+                log.info(
+                    "could not ask worker %s about itself: %s",
+                    worker_id,
+                    exc.message,
+                    extra={"worker": worker_id, "code": exc.code.name},
+                )
                 return
             self.registry.learn(info)
+
+
+def machine_list(statuses: Sequence[PoolStatus]) -> MachineList:
+    """`GET /v1/machines` from what each pool's last pass saw. Pure."""
+    return MachineList(
+        machines=tuple(_machine_view(m) for status in statuses for m in status.machines),
+        pools=tuple(
+            PoolPass(
+                pool=status.pool,
+                passed_at=status.passed_at,
+                error=status.error,
+                skipped=tuple(SkippedNode(node=n.node, reason=n.reason) for n in status.skipped),
+            )
+            for status in statuses
+        ),
+    )
+
+
+def _machine_view(machine: Machine) -> MachineView:
+    cards = machine.cards
+    worker = machine.worker
+    return MachineView(
+        pool=machine.pool,
+        node=machine.node,
+        gpu_model=machine.gpu_model,
+        cards=CardCounts(total=cards.total, ours=cards.ours, others=cards.others, free=cards.free),
+        cpu_free_millis=machine.cpu_free_millis,
+        memory_free_bytes=machine.memory_free_bytes,
+        worker=None
+        if worker is None
+        else MachineWorker(state=WorkerState(worker.state), age_seconds=worker.age_seconds),
+    )
+
+
+def _peer(tcp: trio.SocketStream) -> str:
+    try:
+        host, port = tcp.socket.getpeername()[:2]
+    except OSError:
+        return "unknown"
+    return f"{host}:{port}"
 
 
 def _json_mapping(body: bytes) -> dict[str, Any]:
@@ -519,7 +589,12 @@ async def serve_controlplane(
 
         await nursery.start(dispatcher.run)
         await nursery.start(trio.serve_listeners, handle, listeners)
-        log.info("controlplane listening on %s:%d", config.listen_host, port)
+        log.info(
+            "controlplane listening on %s:%d",
+            config.listen_host,
+            port,
+            extra={"host": config.listen_host, "port": port},
+        )
         await control.set_config_pools(pools)
         if config.joined_pools is not None:
             await nursery.start(control.keep_joined_pools)

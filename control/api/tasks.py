@@ -28,9 +28,9 @@ from agent.wire.errors import ApiError, ErrorCode, dumps
 from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
 from agent.wire.service import Dialer, JsonResponse, Request, Router, StreamResponse
 from control.api.endpoints import EndpointProxy, upstream_target
-from control.models import TaskList, TaskRequest, TaskSnapshot, TaskView
+from control.models import TaskList, TaskRequest, TaskSnapshot, TaskState, TaskView
 from control.tasks.dispatch import SCHEDULE_EVERY_S, Dispatcher, WorkerLost
-from control.tasks.store import ACTIVE_ON_WORKER, TaskRecord, TaskSpec, TaskState
+from control.tasks.store import ACTIVE_ON_WORKER, TaskRecord, TaskSpec
 
 log = logging.getLogger("levers9.tasks")
 
@@ -134,7 +134,18 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
         asked = await request.json(TaskRequest)
         volumes = dispatcher.workspaces.volumes(workspace, asked.volumes)
         record = await store.create(workspace, spec_of(asked, volumes))
-        log.info("task %s created in workspace %s (%s)", record.id, workspace, asked.image)
+        log.info(
+            "task %s created in workspace %s (%s)",
+            record.id,
+            workspace,
+            asked.image,
+            extra={
+                "task": record.id,
+                "workspace": workspace,
+                "image": asked.image,
+                "cards": asked.cards,
+            },
+        )
         dispatcher.wake()
         return JsonResponse(dispatcher.view(record), status=201)
 

@@ -23,7 +23,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -31,10 +31,17 @@ from agent.api.models import ExecRequest, ExecResize, LogLine, WorkerInfo
 from agent.wire.client import ApiClient, WorkerUnavailable, open_api_client
 from agent.wire.connection import H2ByteStream, KeepaliveConfig, StreamRefused
 from agent.wire.tls import TLSStream, verifying_client_context
-from control.models import PoolList, PoolView, TaskList, TaskRequest, TaskSnapshot, TaskView
-
-if TYPE_CHECKING:
-    from control.api.server import WorkerList
+from control.models import (
+    MachineList,
+    PoolList,
+    PoolView,
+    TaskList,
+    TaskRequest,
+    TaskSnapshot,
+    TaskState,
+    TaskView,
+    WorkerList,
+)
 
 T = TypeVar("T")
 
@@ -68,12 +75,12 @@ class ControlClient(ApiClient):
         return await self._typed("GET", _task_path(task_id), None, TaskView)
 
     async def tasks(
-        self, states: Sequence[str] | None = None, limit: int = 100
+        self, states: Sequence[TaskState] | None = None, limit: int = 100
     ) -> tuple[TaskView, ...]:
         """The workspace's tasks, newest first, optionally only those in `states`."""
         query: dict[str, str] = {"limit": str(limit)}
         if states:
-            query["state"] = ",".join(states)
+            query["state"] = ",".join(TaskState(s).value for s in states)
         path = "/v1/tasks?" + urllib.parse.urlencode(query, safe=",")
         listing = await self._typed("GET", path, None, TaskList)
         return listing.tasks
@@ -122,12 +129,11 @@ class ControlClient(ApiClient):
 
     # -- workers and machines ----------------------------------------------------------------
 
-    async def machines(self) -> dict[str, Any]:
-        """`GET /v1/machines`: `machines` (see DESIGN.md for their keys) and `pools`."""
-        return await self._typed("GET", "/v1/machines", None, dict)
+    async def machines(self) -> MachineList:
+        """`GET /v1/machines`: every pool's machines and how its last pass went."""
+        return await self._typed("GET", "/v1/machines", None, MachineList)
 
     async def workers(self) -> WorkerList:
-        from control.api.server import WorkerList
 
         return await self._typed("GET", "/v1/workers", None, WorkerList)
 

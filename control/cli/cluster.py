@@ -6,20 +6,18 @@ import argparse
 import json
 import sys
 
-import trio
-
 from agent.wire.errors import unstructure
-from control.cli.common import _client, _timed
+from control.cli.common import client_from_args, timed
 from control.cli.output import POOL_HEADERS, pool_row, show_list
-from control.cli.parse import _POOL_NAME, CliError, UsageError, parse_selector
+from control.cli.parse import POOL_NAME, CliError, UsageError, parse_selector
 
 
 def _join_checks(args: argparse.Namespace) -> None:
-    if not _POOL_NAME.fullmatch(args.name):
+    if not POOL_NAME.fullmatch(args.name):
         raise UsageError(
             f"pool name {args.name!r} must be a DNS label (lowercase letters, digits, '-')"
         )
-    if not _POOL_NAME.fullmatch(args.namespace):
+    if not POOL_NAME.fullmatch(args.namespace):
         raise UsageError(f"--namespace {args.namespace!r} must be a DNS label")
     if not args.host_network and not args.tunnel:
         raise UsageError(
@@ -34,9 +32,9 @@ async def cluster_join(args: argparse.Namespace) -> None:
 
     _join_checks(args)
     selector = parse_selector(args.selector)
-    async with _client(args) as client:
+    async with client_from_args(args) as client:
         # The operator token and the name are checked before the cluster is touched.
-        known = await _timed(client.pools())
+        known = await timed(client.pools())
         if not known.joined_pools:
             raise CliError(
                 "this controlplane keeps no joined pools: set config.joinedPools (the Helm "
@@ -48,11 +46,8 @@ async def cluster_join(args: argparse.Namespace) -> None:
                     f"pool {args.name} comes from config.worker.pools; join under another name"
                 )
         try:
-            side = await trio.to_thread.run_sync(open_cluster_side, args.kubeconfig, args.context)
-            try:
-                joined = await trio.to_thread.run_sync(side.apply, args.namespace)
-            finally:
-                side.close()
+            async with open_cluster_side(args.kubeconfig, args.context) as side:
+                joined = await side.apply(args.namespace)
         except JoinError as exc:
             raise CliError(str(exc)) from None
         for step in joined.steps:
@@ -70,7 +65,7 @@ async def cluster_join(args: argparse.Namespace) -> None:
             image=args.image,
             driver_path=args.driver_path,
         )
-        view = await _timed(client.put_pool(args.name, block))
+        view = await timed(client.put_pool(args.name, block))
     if args.json:
         print(json.dumps(unstructure(view), indent=2))
         return
@@ -83,27 +78,22 @@ async def cluster_join(args: argparse.Namespace) -> None:
 
 
 async def cluster_list(args: argparse.Namespace) -> None:
-    async with _client(args) as client:
-        listing = await _timed(client.pools())
+    async with client_from_args(args) as client:
+        listing = await timed(client.pools())
     show_list(args.json, listing.pools, POOL_HEADERS, pool_row)
 
 
 async def cluster_leave(args: argparse.Namespace) -> None:
     from control.kube.join import JoinError, open_cluster_side
 
-    async with _client(args) as client:
-        view = await _timed(client.delete_pool(args.name))
+    async with client_from_args(args) as client:
+        view = await timed(client.delete_pool(args.name))
     print(f"pool {view.name} left: its workers were removed", file=sys.stderr)
     if args.keep_access:
         return
     try:
-        side = await trio.to_thread.run_sync(open_cluster_side, args.kubeconfig, args.context)
-        try:
-            steps = await trio.to_thread.run_sync(
-                lambda: side.remove(view.namespace, delete_namespace=args.delete_namespace)
-            )
-        finally:
-            side.close()
+        async with open_cluster_side(args.kubeconfig, args.context) as side:
+            steps = await side.remove(view.namespace, delete_namespace=args.delete_namespace)
     except JoinError as exc:
         raise CliError(str(exc)) from None
     for step in steps:

@@ -27,28 +27,30 @@ EXIT_INTERRUPTED = 130
 STDIN_CHUNK_BYTES = 64 * 1024
 
 
-def _client(args: argparse.Namespace) -> contextlib.AbstractAsyncContextManager[ControlClient]:
+def client_from_args(
+    args: argparse.Namespace,
+) -> contextlib.AbstractAsyncContextManager[ControlClient]:
     return open_control_client(args.controlplane, args.token, args.ca)
 
 
-async def _timed(call: Awaitable[T]) -> T:
+async def timed(call: Awaitable[T]) -> T:
     with trio.fail_after(CALL_TIMEOUT_S):
         return await call
 
 
-class _Interrupted:
-    """What `_interruptible` returns when Ctrl-C stopped the work."""
+class Interrupted:
+    """What `interruptible` returns when Ctrl-C stopped the work."""
 
 
-INTERRUPTED = _Interrupted()
+INTERRUPTED = Interrupted()
 
 
-async def _interruptible(work: Callable[[], Awaitable[T]]) -> T | _Interrupted:
+async def interruptible(work: Callable[[], Awaitable[T]]) -> T | Interrupted:
     """Run `work` until it returns or Ctrl-C (SIGINT) cancels it. Signals reach only the main
     thread; elsewhere (tests calling `main` in a thread) `work` simply runs."""
     if threading.current_thread() is not threading.main_thread():
         return await work()
-    result: T | _Interrupted = INTERRUPTED
+    result: T | Interrupted = INTERRUPTED
     with trio.open_signal_receiver(signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
 

@@ -20,11 +20,11 @@ from control.cli.client import ControlClient
 from control.cli.common import (
     EXIT_INTERRUPTED,
     STDIN_CHUNK_BYTES,
-    _client,
-    _Interrupted,
-    _interruptible,
+    Interrupted,
+    client_from_args,
+    interruptible,
 )
-from control.cli.output import Console, _has_fileno, _isatty
+from control.cli.output import Console, has_fileno, isatty
 from control.cli.parse import UsageError
 
 
@@ -114,17 +114,17 @@ async def exec_session(
 async def cmd_exec(args: argparse.Namespace) -> int:
     if not args.command:
         raise UsageError("exec needs a command after '--': levers9 exec TASK -- CMD...")
-    stdin_tty, stdout_tty = _isatty(sys.stdin), _isatty(sys.stdout)
+    stdin_tty, stdout_tty = isatty(sys.stdin), isatty(sys.stdout)
     tty = args.tty if args.tty is not None else (stdin_tty and stdout_tty)
     rows, cols = _terminal_size(sys.stdout.fileno()) if tty and stdout_tty else (24, 80)
     request = ExecRequest(command=tuple(args.command), tty=tty, rows=rows, cols=cols)
     console = Console.from_sys()
     main_thread = threading.current_thread() is threading.main_thread()
-    async with _client(args) as client:
-        stdin = FdReader(sys.stdin.fileno()) if _has_fileno(sys.stdin) else None
+    async with client_from_args(args) as client:
+        stdin = FdReader(sys.stdin.fileno()) if has_fileno(sys.stdin) else None
         raw = raw_terminal(sys.stdin.fileno()) if tty and stdin_tty else contextlib.nullcontext()
         with raw:
-            result = await _interruptible(
+            result = await interruptible(
                 lambda: exec_session(
                     client,
                     args.task_id,
@@ -134,6 +134,6 @@ async def cmd_exec(args: argparse.Namespace) -> int:
                     watch_resizes=tty and stdout_tty and main_thread,
                 )
             )
-    if isinstance(result, _Interrupted):
+    if isinstance(result, Interrupted):
         return EXIT_INTERRUPTED
     return result if 0 <= result <= 255 else 1

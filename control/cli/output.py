@@ -15,12 +15,12 @@ import attrs
 
 from agent.api.models import LogLine, PullStatus, WorkerSummary
 from agent.wire.errors import unstructure
-from control.models import PoolView, TaskView
+from control.models import MachineView, PoolView, TaskState, TaskView
 
 T = TypeVar("T")
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [
         max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
     ]
@@ -67,7 +67,7 @@ def task_row(view: TaskView, now: float) -> list[str]:
     """One row of `levers9 task list`: ID STATE IMAGE CARDS WORKER AGE EXIT REASON."""
     return [
         view.id,
-        view.state,
+        view.state.value,
         view.image,
         str(view.cards),
         view.worker or "-",
@@ -92,7 +92,7 @@ def task_details(view: TaskView, now: float) -> list[tuple[str, str]]:
     fields: list[tuple[str, str | None]] = [
         ("id", view.id),
         ("workspace", view.workspace),
-        ("state", view.state),
+        ("state", view.state.value),
         ("waiting", view.waiting),
         ("pull", format_pull(view.pull) if view.pull else None),
         ("container", view.container_state),
@@ -125,18 +125,18 @@ def format_details(pairs: Sequence[tuple[str, str]]) -> str:
 
 def progress_text(view: TaskView) -> str:
     """What `levers9 run` shows while the task starts."""
-    if view.state == "pending":
+    if view.state is TaskState.PENDING:
         return view.waiting or "waiting for a worker"
-    if view.state == "starting":
+    if view.state is TaskState.STARTING:
         if view.pull is not None and view.pull.phase != "done":
             return format_pull(view.pull)
         where = f" on {view.worker}" if view.worker else ""
         return f"starting the container{where}"
-    return view.state
+    return view.state.value
 
 
 def _progress_phase(view: TaskView) -> tuple[str, str | None, str | None]:
-    return view.state, view.waiting, view.pull.phase if view.pull else None
+    return view.state.value, view.waiting, view.pull.phase if view.pull else None
 
 
 def not_started_detail(view: TaskView) -> str:
@@ -153,7 +153,7 @@ def not_started_detail(view: TaskView) -> str:
 def deadline_message(view: TaskView, wait_s: float) -> str:
     return (
         f"DEADLINE_EXCEEDED: task {view.id} has not started within {wait_s:g} s "
-        f"({view.state}: {not_started_detail(view)}); it goes on: follow it with "
+        f"({view.state.value}: {not_started_detail(view)}); it goes on: follow it with "
         f"'levers9 task logs -f {view.id}' or 'levers9 task get {view.id}'"
     )
 
@@ -161,11 +161,11 @@ def deadline_message(view: TaskView, wait_s: float) -> str:
 def task_outcome(view: TaskView) -> tuple[int, str | None]:
     """The exit code `levers9 run` ends with for an ended task, and what to print (stderr)."""
     code = view.exit_code
-    if view.state == "succeeded":
+    if view.state is TaskState.SUCCEEDED:
         return (code if code is not None and 0 <= code <= 255 else 0), None
     reason = view.reason or "no reason given"
-    message = f"task {view.id} {view.state}: {reason}"
-    if view.state == "failed" and code is not None and 0 < code <= 255:
+    message = f"task {view.id} {view.state.value}: {reason}"
+    if view.state is TaskState.FAILED and code is not None and 0 < code <= 255:
         return code, (message if view.reason else None)
     return 1, message
 
@@ -218,7 +218,7 @@ class Console:
 
     @classmethod
     def from_sys(cls) -> Console:
-        return cls(sys.stdout, sys.stderr, _isatty(sys.stderr))
+        return cls(sys.stdout, sys.stderr, isatty(sys.stderr))
 
     def status(self, text: str) -> None:
         if text:
@@ -245,7 +245,7 @@ class Console:
             buffer.flush()
 
 
-def _has_fileno(stream: Any) -> bool:
+def has_fileno(stream: Any) -> bool:
     try:
         stream.fileno()
     except (AttributeError, ValueError, OSError):
@@ -253,7 +253,7 @@ def _has_fileno(stream: Any) -> bool:
     return True
 
 
-def _isatty(stream: Any) -> bool:
+def isatty(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
@@ -270,7 +270,7 @@ def show_list(
     if as_json:
         print(json.dumps([unstructure(item) for item in items], indent=2))
         return
-    print(_table(headers, [row(item) for item in items]))
+    print(render_table(headers, [row(item) for item in items]))
 
 
 WORKER_HEADERS = ("worker", "mode", "connected", "node", "cards", "address", "version", "age")
@@ -289,8 +289,36 @@ def worker_row(w: WorkerSummary) -> list[str]:
     ]
 
 
-def _gib(value: int) -> str:
+def format_gib(value: int) -> str:
     return f"{value / (1 << 30):.1f}Gi"
+
+
+MACHINE_HEADERS = (
+    "POOL",
+    "NODE",
+    "GPU",
+    "CARDS T/OURS/OTHERS/FREE",
+    "CPU FREE",
+    "MEM FREE",
+    "WORKER",
+    "AGE",
+)
+
+
+def machine_row(m: MachineView) -> list[str]:
+    """One row of `levers9 machine list`."""
+    cards = m.cards
+    worker = m.worker
+    return [
+        m.pool,
+        m.node,
+        m.gpu_model or "-",
+        f"{cards.total}/{cards.ours}/{cards.others}/{cards.free}",
+        f"{m.cpu_free_millis}m",
+        format_gib(m.memory_free_bytes),
+        worker.state.value if worker else "-",
+        f"{int(worker.age_seconds)}s" if worker else "-",
+    ]
 
 
 POOL_HEADERS = ("POOL", "SOURCE", "FLAVOR", "ENDPOINT", "NAMESPACE", "MODE", "MACHINES", "ERROR")

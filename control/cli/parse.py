@@ -14,9 +14,9 @@ from decimal import Decimal
 from typing import Any
 
 from agent.wire.errors import ApiError
-from control.models import TaskRequest, TaskVolume
+from control.models import TaskRequest, TaskState, TaskVolume
 
-TASK_STATES = ("pending", "starting", "running", "succeeded", "failed", "cancelled", "lost")
+TASK_STATES = tuple(state.value for state in TaskState)
 
 
 class CliError(Exception):
@@ -143,14 +143,18 @@ def parse_count(text: str, option: str, *, minimum: int = 0) -> int:
     return value
 
 
-def parse_states(text: str) -> tuple[str, ...]:
-    states = tuple(s.strip() for s in text.split(",") if s.strip())
-    for state in states:
-        if state not in TASK_STATES:
+def parse_states(text: str) -> tuple[TaskState, ...]:
+    """`--state running,pending` → those states, in the order given."""
+    states = []
+    for word in (s.strip() for s in text.split(",")):
+        if not word:
+            continue
+        if word not in TASK_STATES:
             raise UsageError(
-                f"--state {state!r} is not a task state; give some of {','.join(TASK_STATES)}"
+                f"--state {word!r} is not a task state; give some of {','.join(TASK_STATES)}"
             )
-    return states
+        states.append(TaskState(word))
+    return tuple(states)
 
 
 def parse_local(text: str | None, default_port: int) -> tuple[str, int]:
@@ -205,7 +209,7 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
     return argv[:at], argv[at + 1 :]
 
 
-_POOL_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+POOL_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def parse_selector(items: Sequence[str]) -> dict[str, Any]:

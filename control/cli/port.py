@@ -8,7 +8,7 @@ import trio
 
 from agent.wire.errors import ApiError
 from control.cli.client import ControlClient
-from control.cli.common import _client, _interruptible, _timed
+from control.cli.common import client_from_args, interruptible, timed
 from control.cli.output import Console
 from control.cli.parse import CliError, parse_local, parse_port
 
@@ -70,11 +70,11 @@ async def cmd_port(args: argparse.Namespace) -> int:
     port = parse_port(args.port, "PORT")
     host, local_port = parse_local(args.local, port)
     console = Console.from_sys()
-    async with _client(args) as client:
-        view = await _timed(client.task(args.task_id))
+    async with client_from_args(args) as client:
+        view = await timed(client.task(args.task_id))
         if view.terminal:
             raise CliError(
                 f"task {view.id} has ended ({view.state}); forward ports of a running task"
             )
-        await _interruptible(lambda: forward_port(client, view.id, port, host, local_port, console))
+        await interruptible(lambda: forward_port(client, view.id, port, host, local_port, console))
     return 0

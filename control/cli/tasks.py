@@ -17,10 +17,10 @@ from control.cli.common import (
     EXIT_DEADLINE,
     EXIT_INTERRUPTED,
     POLL_INTERVAL_S,
-    _client,
-    _Interrupted,
-    _interruptible,
-    _timed,
+    Interrupted,
+    client_from_args,
+    interruptible,
+    timed,
 )
 from control.cli.output import (
     TASK_HEADERS,
@@ -34,7 +34,7 @@ from control.cli.output import (
     task_row,
 )
 from control.cli.parse import parse_count, parse_seconds, parse_states, request_from_args
-from control.models import TaskView
+from control.models import TaskState, TaskView
 
 
 def _follow_hint(task_id: str) -> str:
@@ -48,13 +48,13 @@ async def cmd_run(args: argparse.Namespace) -> int:
     request = request_from_args(args, os.environ)
     wait_s = parse_seconds(args.wait, "--wait", allow_zero=True)
     console = Console.from_sys()
-    async with _client(args) as client:
-        view = await _timed(client.create_task(request))
+    async with client_from_args(args) as client:
+        view = await timed(client.create_task(request))
         if args.detach:
             console.print(view.id)
             return 0
-        result = await _interruptible(lambda: follow_run(client, view, wait_s, console))
-    if isinstance(result, _Interrupted):
+        result = await interruptible(lambda: follow_run(client, view, wait_s, console))
+    if isinstance(result, Interrupted):
         console.status(f"\nlevers9: task {view.id} goes on; {_follow_hint(view.id)}\n")
         return EXIT_INTERRUPTED
     return result
@@ -86,10 +86,10 @@ async def follow_run(client: ControlClient, view: TaskView, wait_s: float, conso
             with watch_scope:
                 with trio.move_on_after(wait_s):
                     current = view
-                    while current.state in ("pending", "starting"):
+                    while current.state in (TaskState.PENDING, TaskState.STARTING):
                         console.status(progress.update(current))
                         await trio.sleep(POLL_INTERVAL_S)
-                        current = latest = await _timed(client.task(task_id))
+                        current = latest = await timed(client.task(task_id))
                     mark_started()
                     return
                 if not started.is_set():
@@ -112,7 +112,7 @@ async def follow_run(client: ControlClient, view: TaskView, wait_s: float, conso
     if deadline_passed:
         console.status(progress.finish())
         with contextlib.suppress(ApiError, trio.TooSlowError):
-            latest = await _timed(client.task(task_id))
+            latest = await timed(client.task(task_id))
         console.status(deadline_message(latest, wait_s) + "\n")
         return EXIT_DEADLINE
     console.status(progress.finish())
@@ -132,15 +132,15 @@ async def follow_run(client: ControlClient, view: TaskView, wait_s: float, conso
 async def task_list(args: argparse.Namespace) -> None:
     states = parse_states(args.state) if args.state else None
     limit = parse_count(args.limit, "--limit", minimum=1)
-    async with _client(args) as client:
-        tasks = await _timed(client.tasks(states, limit))
+    async with client_from_args(args) as client:
+        tasks = await timed(client.tasks(states, limit))
     now = time.time()
     show_list(args.json, tasks, TASK_HEADERS, lambda t: task_row(t, now))
 
 
 async def task_get(args: argparse.Namespace) -> None:
-    async with _client(args) as client:
-        view = await _timed(client.task(args.task_id))
+    async with client_from_args(args) as client:
+        view = await timed(client.task(args.task_id))
     if args.json:
         print(json.dumps(unstructure(view), indent=2))
         return
@@ -155,18 +155,18 @@ async def task_logs(args: argparse.Namespace) -> int:
             async for line in lines:
                 console.log_line(line)
 
-    async with _client(args) as client:
-        result = await _interruptible(lambda: follow(client))
-    return EXIT_INTERRUPTED if isinstance(result, _Interrupted) else 0
+    async with client_from_args(args) as client:
+        result = await interruptible(lambda: follow(client))
+    return EXIT_INTERRUPTED if isinstance(result, Interrupted) else 0
 
 
 async def task_cancel(args: argparse.Namespace) -> None:
-    async with _client(args) as client:
-        view = await _timed(client.cancel_task(args.task_id))
-    print(f"task {view.id}: {view.state}")
+    async with client_from_args(args) as client:
+        view = await timed(client.cancel_task(args.task_id))
+    print(f"task {view.id}: {view.state.value}")
 
 
 async def task_snapshot(args: argparse.Namespace) -> None:
-    async with _client(args) as client:
-        snapshot = await _timed(client.snapshot_task(args.task_id))
+    async with client_from_args(args) as client:
+        snapshot = await timed(client.snapshot_task(args.task_id))
     print(snapshot.digest)

@@ -7,24 +7,31 @@ import json
 import sys
 
 from agent.wire.errors import unstructure
-from control.cli.common import _client, _timed
-from control.cli.output import WORKER_HEADERS, _gib, _table, show_list, worker_row
+from control.cli.common import client_from_args, timed
+from control.cli.output import (
+    MACHINE_HEADERS,
+    WORKER_HEADERS,
+    machine_row,
+    render_table,
+    show_list,
+    worker_row,
+)
 
 
 async def worker_list(args: argparse.Namespace) -> None:
-    async with _client(args) as client:
-        result = await _timed(client.workers())
+    async with client_from_args(args) as client:
+        result = await timed(client.workers())
     show_list(args.json, result.workers, WORKER_HEADERS, worker_row)
 
 
 async def worker_get(args: argparse.Namespace) -> None:
-    async with _client(args) as client:
-        info = await _timed(client.worker(args.worker_id))
+    async with client_from_args(args) as client:
+        info = await timed(client.worker(args.worker_id))
     if args.json:
         print(json.dumps(unstructure(info), indent=2))
         return
     print(
-        _table(
+        render_table(
             ["worker", "mode", "version", "uptime"],
             [[info.worker_id, info.mode, info.version, f"{info.uptime_s:.0f}s"]],
         )
@@ -32,43 +39,12 @@ async def worker_get(args: argparse.Namespace) -> None:
 
 
 async def machine_list(args: argparse.Namespace) -> None:
-    async with _client(args) as client:
-        listing = await _timed(client.machines())
-    machines = listing.get("machines", [])
+    async with client_from_args(args) as client:
+        listing = await timed(client.machines())
     if args.json:
-        print(json.dumps(machines, indent=2))
+        print(json.dumps(unstructure(listing.machines), indent=2))
         return
-    rows = []
-    for m in machines:
-        cards = m["cards"]
-        worker = m.get("worker")
-        rows.append(
-            [
-                m["pool"],
-                m["node"],
-                m.get("gpuModel") or "-",
-                f"{cards['total']}/{cards['ours']}/{cards['others']}/{cards['free']}",
-                f"{m['cpuFreeMillis']}m",
-                _gib(m["memoryFreeBytes"]),
-                worker["state"] if worker else "-",
-                f"{int(worker['ageSeconds'])}s" if worker else "-",
-            ]
-        )
-    print(
-        _table(
-            [
-                "POOL",
-                "NODE",
-                "GPU",
-                "CARDS T/OURS/OTHERS/FREE",
-                "CPU FREE",
-                "MEM FREE",
-                "WORKER",
-                "AGE",
-            ],
-            rows,
-        )
-    )
-    for pool in listing.get("pools", []):
-        if pool.get("error"):
-            print(f"pool {pool['pool']}: last pass failed: {pool['error']}", file=sys.stderr)
+    print(render_table(MACHINE_HEADERS, [machine_row(m) for m in listing.machines]))
+    for pool in listing.pools:
+        if pool.error:
+            print(f"pool {pool.pool}: last pass failed: {pool.error}", file=sys.stderr)

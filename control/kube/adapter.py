@@ -1,17 +1,22 @@
-"""The one adapter between the controlplane and a pool's Kubernetes API server.
+"""The one adapter between the controlplane and a Kubernetes API server.
 
 Everything that touches the official `kubernetes` client lives here: building an `ApiClient`
-from a `PoolConfig` (the cluster CA always verified), authenticating by flavor with tokens
-refreshed before they expire, running the client's blocking calls in a worker thread, and
-translating its exceptions into ours. Callers above this module see plain JSON-shaped dicts
-(the API's own wire shape) and `KubeError`s; they never see `ApiException`, urllib3 or
-google-auth errors, so this module is the seam a unit test of the reconciler replaces.
+from a `PoolConfig` (the cluster CA always verified) or from an operator's kubeconfig context
+(`levers9 cluster join`), authenticating by flavor with tokens refreshed before they expire,
+running the client's blocking calls in a worker thread, and translating its exceptions into
+ours. Callers above this module see plain JSON-shaped dicts (the API's own wire shape) and
+`KubeError`s; they never see `ApiException`, urllib3, google-auth or botocore errors, so this
+module is the seam a unit test of the reconciler or of the join replaces.
 
-Errors are sorted by what the caller can do: `KubeAuthError` (fix the credentials or RBAC;
-the message says which verb on which resource in which namespace is missing),
-`KubeNotFound` / `KubeAlreadyExists` (expected races, handled by the reconciler),
-`KubeUnavailable` (try again next pass; 429 and 5xx were already retried here with capped
-backoff honouring Retry-After), and `KubeError` for the rest.
+Errors are sorted by what the caller can do, by status and by exception type (never by
+message text): `KubeAuthError` (fix the credentials or RBAC; the message says which verb on
+which resource in which namespace is missing), `KubeNotFound` / `KubeAlreadyExists`
+(expected races, handled by the caller), `KubeUnavailable` (try again next pass; 429 and 5xx
+were already retried here with capped backoff honouring Retry-After) and its
+`KubeUnreachable` (no answer at all), `KubeTlsError` (the CA is not the endpoint's),
+`KubeconfigError` (an operator's kubeconfig cannot be used), and `KubeError` for the rest.
+Each carries the HTTP `status` or the `failure` behind it, so a caller with its own words
+never reads the message.
 
 Lists are read with `_preload_content=False` and parsed as JSON: this skips the client's
 model classes (slow for thousands of pods) and its debug logging of response bodies, which
@@ -25,13 +30,13 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
+import ssl
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -39,9 +44,11 @@ from typing import Any, Protocol, TypeVar
 import attrs
 import trio
 import urllib3
+import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
 
 from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
 from agent.wire.errors import ApiError, ErrorCode
@@ -58,23 +65,35 @@ from control.kube.pools import (
 )
 
 __all__ = [
+    "KINDS",
     "RETRY",
     "EksTokenSource",
     "GkeTokenSource",
+    "Kind",
     "KubeAlreadyExists",
     "KubeApi",
     "KubeAuthError",
     "KubeClient",
     "KubeError",
     "KubeNotFound",
+    "KubeObjects",
+    "KubeTlsError",
     "KubeUnavailable",
+    "KubeUnreachable",
+    "KubeconfigCluster",
+    "KubeconfigContexts",
+    "KubeconfigError",
+    "NotAKubeconfig",
     "Operation",
     "StaticToken",
     "TokenSource",
     "build_api_client",
+    "build_kubeconfig_client",
     "call_with_retry",
     "eks_token",
+    "kubeconfig_contexts",
     "open_kube_client",
+    "open_kubeconfig_client",
     "retry_delay",
     "translate_api_exception",
 ]
@@ -96,7 +115,25 @@ LIST_PAGE = 500
 
 
 class KubeError(ApiError):
-    """A pool's Kubernetes API refused or failed a call; the message names pool and action."""
+    """A pool's Kubernetes API refused or failed a call; the message names pool and action.
+
+    `status` is the HTTP status the API server answered (None when none came back) and
+    `failure` the kind of failure when no answer came (the underlying exception's class name),
+    so a caller with its own words (`levers9 cluster join`) needs no look at the message.
+    """
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        field: str | None = None,
+        status: int | None = None,
+        failure: str | None = None,
+    ) -> None:
+        super().__init__(code, message, field=field)
+        self.status = status
+        self.failure = failure
 
 
 class KubeAuthError(KubeError):
@@ -105,19 +142,49 @@ class KubeAuthError(KubeError):
 
 class KubeNotFound(KubeError):
     def __init__(self, message: str) -> None:
-        super().__init__(ErrorCode.NOT_FOUND, message)
+        super().__init__(ErrorCode.NOT_FOUND, message, status=404)
 
 
 class KubeAlreadyExists(KubeError):
     def __init__(self, message: str) -> None:
-        super().__init__(ErrorCode.ALREADY_EXISTS, message)
+        super().__init__(ErrorCode.ALREADY_EXISTS, message, status=409)
 
 
 class KubeUnavailable(KubeError):
     """The API server could not be reached, timed out or stayed overloaded; try later."""
 
+    def __init__(
+        self, message: str, *, status: int | None = None, failure: str | None = None
+    ) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, message, status=status, failure=failure)
+
+
+class KubeUnreachable(KubeUnavailable):
+    """No answer at all: the connection was refused, reset or timed out, or the name did not
+    resolve. `failure` names the client's exception."""
+
+    def __init__(self, message: str, *, failure: str) -> None:
+        super().__init__(message, failure=failure)
+
+
+class KubeTlsError(KubeError):
+    """TLS with the API server failed: the CA configured is not the endpoint's, or the
+    endpoint does not speak TLS. Retrying does not help; fix the CA or the endpoint."""
+
     def __init__(self, message: str) -> None:
-        super().__init__(ErrorCode.UNAVAILABLE, message)
+        super().__init__(ErrorCode.FAILED_PRECONDITION, message, failure="SSLError")
+
+
+class KubeconfigError(KubeError):
+    """An operator's kubeconfig cannot be used (missing, its credentials plugin failed, a
+    context without a cluster); the message names the file."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.INVALID_ARGUMENT, message)
+
+
+class NotAKubeconfig(KubeconfigError):
+    """The file is not a kubeconfig at all (not YAML, or no clusters, users and contexts)."""
 
 
 @attrs.frozen
@@ -138,11 +205,31 @@ class Operation:
         return f"{self.verb} {what}{where}"
 
 
-_FORBIDDEN = re.compile(
-    r'cannot (?P<verb>[\w-]+) resource "(?P<resource>[^"]+)"'
-    r'(?: in API group "(?P<group>[^"]*)")?'
-    r'(?: in the namespace "(?P<namespace>[^"]+)")?'
-)
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and everything behind it: its cause or context chain, and the reason a urllib3
+    `MaxRetryError` carries (the client raises those after its own retries)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, urllib3.exceptions.MaxRetryError) and isinstance(
+            current.reason, BaseException
+        ):
+            todo.append(current.reason)
+        behind = current.__cause__ or current.__context__
+        if behind is not None:
+            todo.append(behind)
+
+
+def _tls_failed(exc: BaseException) -> bool:
+    """Whether TLS with the server failed somewhere behind `exc`: the official client turns a
+    urllib3 `SSLError` into an `ApiException` with status 0 (the SSLError its context), and
+    urllib3 wraps one in `MaxRetryError` when its retries run out."""
+    return any(isinstance(e, urllib3.exceptions.SSLError | ssl.SSLError) for e in _causes(exc))
 
 
 def _status_body(exc: ApiException) -> Mapping[str, Any]:
@@ -159,11 +246,22 @@ def _status_body(exc: ApiException) -> Mapping[str, Any]:
 
 
 def translate_api_exception(exc: ApiException, op: Operation, *, pool: str) -> KubeError:
-    """Our error for a failed call; the Status body refines what the message says."""
+    """Our error for a failed call, sorted by the status and, where no answer came, by the
+    exception behind it; the Status body's `details` refine what the message names."""
     status = int(exc.status or 0)
     body = _status_body(exc)
     server_says = str(body.get("message") or exc.reason or "").strip()
     prefix = f"pool {pool}: cannot {op.describe()}"
+    if status == 0:
+        # The client raised before any answer: it sends nothing it cannot encode, and turns
+        # a urllib3 SSLError into this (the SSLError is the exception's context).
+        if _tls_failed(exc):
+            return KubeTlsError(f"{prefix}: {_TLS_ADVICE.format(pool)}")
+        return KubeError(
+            ErrorCode.INTERNAL,
+            f"{prefix}: the client did not send the request ({server_says or 'no detail'})",
+            failure=type(exc).__name__,
+        )
     if status == 401:
         return KubeAuthError(
             ErrorCode.UNAUTHENTICATED,
@@ -171,43 +269,45 @@ def translate_api_exception(exc: ApiException, op: Operation, *, pool: str) -> K
             f"check config.worker.pools[{pool}].kubernetes.credentials (expired or revoked "
             "token, wrong key, or an identity the cluster does not map)",
             field=f"worker.pools[{pool}].kubernetes.credentials",
+            status=status,
         )
     if status == 403:
+        # RBAC refuses the request itself: its verb and namespace are ours; the Status
+        # details say the resource and group in the server's words.
         details = body.get("details")
         details = details if isinstance(details, Mapping) else {}
-        match = _FORBIDDEN.search(server_says)
-        verb = match["verb"] if match else op.verb
-        resource = (match["resource"] if match else None) or details.get("kind") or op.resource
-        group = (match["group"] if match and match["group"] is not None else None) or details.get(
-            "group", op.group
-        )
-        namespace = match["namespace"] if match and match["namespace"] else op.namespace
-        scope = f"in namespace {namespace}" if namespace else "cluster-wide"
-        role = "a Role and RoleBinding" if namespace else "a ClusterRole and ClusterRoleBinding"
+        resource = str(details.get("kind") or op.resource)
+        group = str(details["group"]) if "group" in details else op.group
+        scope = f"in namespace {op.namespace}" if op.namespace else "cluster-wide"
+        role = "a Role and RoleBinding" if op.namespace else "a ClusterRole and ClusterRoleBinding"
         return KubeAuthError(
             ErrorCode.PERMISSION_DENIED,
-            f"{prefix}: the pool's identity may not {verb} {resource} "
-            f"(API group {group or 'core'!r}) {scope}; grant verb {verb!r} on {resource!r} "
+            f"{prefix}: the pool's identity may not {op.verb} {resource} "
+            f"(API group {group or 'core'!r}) {scope}; grant verb {op.verb!r} on {resource!r} "
             f"with {role} (`levers9 cluster join` sets these up). Cluster said: {server_says}",
             field=f"worker.pools[{pool}].kubernetes.credentials",
+            status=status,
         )
     if status == 404:
         return KubeNotFound(f"{prefix}: not found ({server_says or '404'})")
     if status == 409:
         return KubeAlreadyExists(f"{prefix}: already exists ({server_says or '409'})")
-    if status == 429 or 500 <= status < 600:
+    if _retryable(exc):
         return KubeUnavailable(
             f"{prefix}: the API server answered {status} after {RETRY_ATTEMPTS} tries "
-            f"({server_says or 'no detail'}); the next pass tries again"
+            f"({server_says or 'no detail'}); the next pass tries again",
+            status=status,
         )
-    if status == 0 and "SSLError" in str(exc.reason or ""):
-        return KubeError(ErrorCode.FAILED_PRECONDITION, f"{prefix}: {_TLS_ADVICE.format(pool)}")
     if status in (400, 422):
         return KubeError(
-            ErrorCode.INVALID_ARGUMENT, f"{prefix}: the API server refused it: {server_says}"
+            ErrorCode.INVALID_ARGUMENT,
+            f"{prefix}: the API server refused it: {server_says}",
+            status=status,
         )
     return KubeError(
-        ErrorCode.INTERNAL, f"{prefix}: the API server answered {status}: {server_says}"
+        ErrorCode.INTERNAL,
+        f"{prefix}: the API server answered {status}: {server_says}",
+        status=status,
     )
 
 
@@ -265,6 +365,15 @@ async def call_with_retry(
                 exc.status,
                 attempt,
                 delay,
+                extra={
+                    "pool": pool,
+                    "verb": op.verb,
+                    "resource": op.resource,
+                    "namespace": op.namespace or "",
+                    "status": int(exc.status or 0),
+                    "attempt": attempt,
+                    "delay_s": round(delay, 3),
+                },
             )
         await trio.sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover
@@ -471,8 +580,57 @@ class KubeApi(Protocol):
     async def ensure_namespace(self, namespace: str) -> None: ...
 
 
+class KubeObjects(Protocol):
+    """What `levers9 cluster join` needs: objects of the kinds in `KINDS` by name (the API's
+    JSON shapes, a Secret's data left out), and a Secret's value once the cluster fills it in."""
+
+    async def read_object(
+        self, kind: str, name: str, namespace: str | None = None
+    ) -> dict[str, Any] | None: ...
+
+    async def create_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    async def replace_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    async def delete_object(self, kind: str, name: str, namespace: str | None = None) -> bool: ...
+
+    async def read_secret_value(self, namespace: str, name: str, key: str) -> str | None: ...
+
+    async def wait_secret_value(self, namespace: str, name: str, key: str) -> str: ...
+
+
+@attrs.frozen
+class Kind:
+    """A kind `KubeObjects` handles: its resource and group in RBAC's words, and the official
+    client's method suffix (`read_<suffix>`, `create_<suffix>`, ...)."""
+
+    resource: str
+    group: str
+    suffix: str
+    namespaced: bool
+
+
+RBAC_GROUP = "rbac.authorization.k8s.io"
+KINDS: Mapping[str, Kind] = {
+    "Namespace": Kind("namespaces", "", "namespace", namespaced=False),
+    "ServiceAccount": Kind("serviceaccounts", "", "namespaced_service_account", namespaced=True),
+    "Secret": Kind("secrets", "", "namespaced_secret", namespaced=True),
+    "ClusterRole": Kind("clusterroles", RBAC_GROUP, "cluster_role", namespaced=False),
+    "ClusterRoleBinding": Kind(
+        "clusterrolebindings", RBAC_GROUP, "cluster_role_binding", namespaced=False
+    ),
+    "Role": Kind("roles", RBAC_GROUP, "namespaced_role", namespaced=True),
+    "RoleBinding": Kind("rolebindings", RBAC_GROUP, "namespaced_role_binding", namespaced=True),
+}
+# RBAC's verb → the official client's word for it.
+_CLIENT_VERB = {"get": "read", "create": "create", "update": "replace", "delete": "delete"}
+SECRET_POLL_S = 0.2
+"""How often `wait_secret_value` reads the Secret again."""
+
+
 class KubeClient:
-    """`KubeApi` over the official client; blocking calls run in worker threads."""
+    """`KubeApi` and `KubeObjects` over the official client; blocking calls run in worker
+    threads."""
 
     def __init__(
         self,
@@ -485,6 +643,7 @@ class KubeClient:
         self._api = api_client
         self._core = k8s.CoreV1Api(api_client)
         self._batch = k8s.BatchV1Api(api_client)
+        self._rbac = k8s.RbacAuthorizationV1Api(api_client)
         self._pool = pool
         self._temp_dir = temp_dir
         # Bounds each blocking call so an abandoned thread ends on its own.
@@ -519,37 +678,42 @@ class KubeClient:
 
     def _translate_other(self, exc: Exception, op: Operation) -> KubeError:
         prefix = f"pool {self._pool}: cannot {op.describe()}"
-        module = type(exc).__module__
-        if isinstance(exc, urllib3.exceptions.MaxRetryError) and isinstance(
-            exc.reason, urllib3.exceptions.SSLError
-        ):
-            return KubeError(
-                ErrorCode.FAILED_PRECONDITION, f"{prefix}: {_TLS_ADVICE.format(self._pool)}"
-            )
+        failure = type(exc).__name__
+        if _tls_failed(exc):
+            return KubeTlsError(f"{prefix}: {_TLS_ADVICE.format(self._pool)}")
         if isinstance(exc, urllib3.exceptions.HTTPError | OSError):
-            return KubeUnavailable(
-                f"{prefix}: the API server did not answer ({type(exc).__name__}); "
-                "the next pass tries again"
+            return KubeUnreachable(
+                f"{prefix}: the API server did not answer ({failure}); the next pass tries again",
+                failure=failure,
             )
-        if module.startswith("google.auth"):
-            if type(exc).__name__ == "RefreshError":
-                return KubeAuthError(
-                    ErrorCode.UNAUTHENTICATED,
-                    f"{prefix}: Google refused the service-account key "
-                    f"({_first_arg(exc)}); check config.worker.pools[{self._pool}]"
-                    ".kubernetes.credentials",
-                    field=f"worker.pools[{self._pool}].kubernetes.credentials",
-                )
-            return KubeUnavailable(f"{prefix}: Google's token endpoint did not answer")
-        if module.startswith("botocore"):
+        google_auth, botocore = _token_exceptions()
+        if isinstance(exc, google_auth.RefreshError):
             return KubeAuthError(
                 ErrorCode.UNAUTHENTICATED,
-                f"{prefix}: cannot sign the EKS token ({type(exc).__name__}); check "
+                f"{prefix}: Google refused the service-account key "
+                f"({_first_arg(exc)}); check config.worker.pools[{self._pool}]"
+                ".kubernetes.credentials",
+                field=f"worker.pools[{self._pool}].kubernetes.credentials",
+                failure=failure,
+            )
+        if isinstance(exc, google_auth.GoogleAuthError):
+            return KubeUnavailable(
+                f"{prefix}: Google's token endpoint did not answer", failure=failure
+            )
+        if isinstance(exc, botocore.BotoCoreError | botocore.ClientError):
+            return KubeAuthError(
+                ErrorCode.UNAUTHENTICATED,
+                f"{prefix}: cannot sign the EKS token ({failure}); check "
                 f"config.worker.pools[{self._pool}].kubernetes.credentials",
+                failure=failure,
             )
         if isinstance(exc, ValueError):
-            return KubeError(ErrorCode.INTERNAL, f"{prefix}: the API server's answer is not JSON")
-        return KubeError(ErrorCode.INTERNAL, f"{prefix}: {type(exc).__name__}")
+            return KubeError(
+                ErrorCode.INTERNAL,
+                f"{prefix}: the API server's answer is not JSON",
+                failure=failure,
+            )
+        return KubeError(ErrorCode.INTERNAL, f"{prefix}: {failure}", failure=failure)
 
     async def _list(
         self, op: Operation, fn: Callable[..., Any], *args: Any, **kw: Any
@@ -659,7 +823,10 @@ class KubeClient:
             if exc.code is not ErrorCode.PERMISSION_DENIED:
                 raise
             log.debug(
-                "pool %s: may not read namespace %s; assuming it exists", self._pool, namespace
+                "pool %s: may not read namespace %s; assuming it exists",
+                self._pool,
+                namespace,
+                extra={"pool": self._pool, "namespace": namespace},
             )
             return
         manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
@@ -671,6 +838,97 @@ class KubeClient:
             )
         except KubeAlreadyExists:
             pass
+
+    # -- objects by kind (`KubeObjects`) ----------------------------------------------------
+
+    def _kind(
+        self, verb: str, kind: str, name: str, namespace: str | None
+    ) -> tuple[Operation, Callable[..., Any]]:
+        """What the call does in RBAC's words, and the client's method that does it."""
+        spec = KINDS.get(kind)
+        if spec is None:
+            raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+        if spec.namespaced != (namespace is not None):
+            raise ValueError(f"a {kind} {'needs' if spec.namespaced else 'takes no'} namespace")
+        api = self._rbac if spec.group == RBAC_GROUP else self._core
+        method: Callable[..., Any] = getattr(api, f"{_CLIENT_VERB[verb]}_{spec.suffix}")
+        return Operation(verb, spec.resource, spec.group, namespace, name), method
+
+    async def read_object(
+        self, kind: str, name: str, namespace: str | None = None
+    ) -> dict[str, Any] | None:
+        """The object, or None when there is none of that name."""
+        op, fn = self._kind("get", kind, name, namespace)
+        scope = (namespace,) if namespace is not None else ()
+        try:
+            found: dict[str, Any] = await self._call(op, fn, name, *scope)
+        except KubeNotFound:
+            return None
+        return _without_data(found)
+
+    async def create_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        kind, name, namespace = _identity(manifest)
+        op, fn = self._kind("create", kind, name, namespace)
+        scope = (namespace,) if namespace is not None else ()
+        created: dict[str, Any] = await self._call(op, fn, *scope, dict(manifest))
+        return _without_data(created)
+
+    async def replace_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Bring the object to the manifest's shape (an update without a resourceVersion:
+        whatever was there is overwritten)."""
+        kind, name, namespace = _identity(manifest)
+        op, fn = self._kind("update", kind, name, namespace)
+        scope = (namespace,) if namespace is not None else ()
+        replaced: dict[str, Any] = await self._call(op, fn, name, *scope, dict(manifest))
+        return _without_data(replaced)
+
+    async def delete_object(self, kind: str, name: str, namespace: str | None = None) -> bool:
+        """Delete the object; False when it was already gone."""
+        op, fn = self._kind("delete", kind, name, namespace)
+        scope = (namespace,) if namespace is not None else ()
+        try:
+            await self._call(op, fn, name, *scope)
+        except KubeNotFound:
+            return False
+        return True
+
+    async def wait_secret_value(self, namespace: str, name: str, key: str) -> str:
+        """The Secret's value for `key`, once it has one (a ServiceAccount token the cluster's
+        token controller fills in). Waits for as long as it takes: bound it with
+        `trio.fail_after` or `trio.move_on_after`."""
+        while True:
+            value = await self.read_secret_value(namespace, name, key)
+            if value:
+                return value
+            await trio.sleep(SECRET_POLL_S)
+
+
+def _identity(manifest: Mapping[str, Any]) -> tuple[str, str, str | None]:
+    metadata = manifest.get("metadata")
+    metadata = metadata if isinstance(metadata, Mapping) else {}
+    namespace = metadata.get("namespace")
+    return (
+        str(manifest.get("kind", "")),
+        str(metadata.get("name", "")),
+        str(namespace) if namespace is not None else None,
+    )
+
+
+def _without_data(obj: dict[str, Any]) -> dict[str, Any]:
+    # A Secret's answer echoes its data; values are read with `read_secret_value` only.
+    if obj.get("kind") == "Secret":
+        obj.pop("data", None)
+        obj.pop("stringData", None)
+    return obj
+
+
+def _token_exceptions() -> tuple[Any, Any]:
+    """google-auth's and botocore's exception modules (imported when first needed: most
+    controlplanes sign no tokens with either)."""
+    import botocore.exceptions
+    import google.auth.exceptions
+
+    return google.auth.exceptions, botocore.exceptions
 
 
 def _name(manifest: Mapping[str, Any]) -> str | None:
@@ -693,6 +951,101 @@ async def open_kube_client(
     )
     try:
         yield client
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.aclose()
+
+
+# --- an operator's kubeconfig (`levers9 cluster join`) -----------------------------------
+
+
+@attrs.frozen
+class KubeconfigContexts:
+    """The contexts a kubeconfig names, and its current one."""
+
+    names: tuple[str, ...]
+    current: str | None
+
+
+@contextmanager
+def _kubeconfig_errors(path: str | None) -> Iterator[None]:
+    where = path or "the default kubeconfig"
+    try:
+        yield
+    except ConfigException as exc:
+        raise KubeconfigError(f"cannot use {where}: {exc}") from None
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        # The client's loader assumes a well-formed file and fails on anything else.
+        raise NotAKubeconfig(f"{where} is not a kubeconfig (clusters, users, contexts)") from None
+
+
+def kubeconfig_contexts(path: str | None) -> KubeconfigContexts:
+    """The contexts of the kubeconfig at `path` (`KUBECONFIG` or ~/.kube/config when None);
+    blocking. Raises `KubeconfigError`."""
+    with _kubeconfig_errors(path):
+        contexts, current = k8s_config.list_kube_config_contexts(config_file=path)
+        name = (current or {}).get("name")
+        return KubeconfigContexts(
+            names=tuple(str(c.get("name")) for c in contexts),
+            current=str(name) if name is not None else None,
+        )
+
+
+def build_kubeconfig_client(path: str | None, context: str) -> tuple[k8s.ApiClient, Path, bytes]:
+    """A client as the kubeconfig's context says (its endpoint, CA and credentials, plugins
+    included), the private temp dir for the files the loader writes, and the CA (blocking).
+
+    Unlike a pool's client this is the operator's own: the kubeconfig is taken as it is."""
+    tmp = Path(tempfile.mkdtemp(prefix="levers9-kubeconfig-"))  # mode 0700
+    try:
+        cfg = k8s.Configuration()
+        with _kubeconfig_errors(path):
+            k8s_config.load_kube_config(
+                config_file=path,
+                context=context,
+                client_configuration=cfg,
+                persist_config=False,
+                temp_file_path=str(tmp),
+            )
+            ca_pem = Path(cfg.ssl_ca_cert).read_bytes() if cfg.ssl_ca_cert else b""
+        return k8s.ApiClient(configuration=cfg), tmp, ca_pem
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@attrs.frozen
+class KubeconfigCluster:
+    """An operator's cluster: the client, where its API is and the CA the kubeconfig trusts.
+
+    Its client's messages and log lines name the context where a pool's client names the
+    pool; `levers9 cluster join` words the errors itself, by their kind."""
+
+    client: KubeClient
+    context: str
+    endpoint: str
+    ca_pem: bytes = attrs.field(repr=False)
+
+
+@asynccontextmanager
+async def open_kubeconfig_client(
+    path: str | None, context: str, *, request_timeout_s: float = 30.0
+) -> AsyncIterator[KubeconfigCluster]:
+    """The cluster of a kubeconfig context; its connections and temp files go away on exit.
+    Raises `KubeconfigError` when the kubeconfig cannot be used."""
+    api_client, temp_dir, ca_pem = await trio.to_thread.run_sync(
+        build_kubeconfig_client, path, context
+    )
+    client = KubeClient(
+        api_client, pool=context, temp_dir=temp_dir, request_timeout_s=request_timeout_s
+    )
+    try:
+        yield KubeconfigCluster(
+            client=client,
+            context=context,
+            endpoint=str(api_client.configuration.host),
+            ca_pem=ca_pem,
+        )
     finally:
         with trio.CancelScope(shield=True):
             await client.aclose()

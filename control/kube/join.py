@@ -9,25 +9,35 @@ never argv, never the terminal. Everything is created once and brought back to t
 shape on a rerun (rules are replaced, the ServiceAccount and its token are kept), so joining
 again is safe and repairs a hand-edited role.
 
-The manifests are pure functions; `ClusterSide` is the one adapter over the official client,
-translating its errors into `JoinError`s that say what the operator's identity lacks.
+The manifests are pure functions; `ClusterSide` carries them out through the one Kubernetes
+adapter (`control.kube.adapter`, with a client for the operator's kubeconfig context) and
+words the adapter's errors, by their kind, as `JoinError`s that say what the operator's
+identity lacks.
 """
 
 from __future__ import annotations
 
 import base64
-import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from http import HTTPStatus
 from typing import Any
 
 import attrs
-import urllib3
-import yaml
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
-from kubernetes.config.config_exception import ConfigException
+import trio
+
+from agent.wire.errors import ErrorCode
+from control.kube.adapter import (
+    KubeconfigCluster,
+    KubeconfigError,
+    KubeError,
+    KubeObjects,
+    KubeTlsError,
+    KubeUnreachable,
+    NotAKubeconfig,
+    kubeconfig_contexts,
+    open_kubeconfig_client,
+)
 
 __all__ = [
     "CLUSTER_RULES",
@@ -204,210 +214,155 @@ class Joined:
     steps: tuple[str, ...] = ()
 
 
-class ClusterSide:
-    """The operator's cluster, through the official client and their kubeconfig context."""
+# Kinds whose shape a rerun brings back (rules, bindings); the others are kept as found, so
+# the ServiceAccount and its token survive a rerun.
+REPLACED_KINDS = frozenset({"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+CLUSTER_SCOPED_KINDS = frozenset({"Namespace", "ClusterRole", "ClusterRoleBinding"})
 
-    def __init__(self, api: k8s.ApiClient, endpoint: str, ca_pem: bytes, context: str) -> None:
+
+class ClusterSide:
+    """The operator's cluster, through the adapter and their kubeconfig context."""
+
+    def __init__(self, api: KubeObjects, *, endpoint: str, ca_pem: bytes, context: str) -> None:
         self.api = api
         self.endpoint = endpoint
         self.ca_pem = ca_pem
         self.context = context
-        self.core = k8s.CoreV1Api(api)
-        self.rbac = k8s.RbacAuthorizationV1Api(api)
 
-    def close(self) -> None:
-        self.api.close()
+    def _fail(self, what: str, exc: KubeError) -> JoinError:
+        """The adapter's error in the operator's terms, chosen by its kind and status."""
+        if exc.code is ErrorCode.UNAUTHENTICATED:
+            return JoinError(
+                f"cannot {what}: the cluster did not accept the credentials of kubeconfig "
+                f"context {self.context!r} (401); log in again (e.g. `gcloud container "
+                "clusters get-credentials` or `aws eks update-kubeconfig`)"
+            )
+        if exc.code is ErrorCode.PERMISSION_DENIED:
+            return JoinError(
+                f"cannot {what}: kubeconfig context {self.context!r} is not allowed to "
+                "(403); cluster join needs an identity that may create namespaces, "
+                "ServiceAccounts, Secrets and RBAC roles and bindings (cluster-admin)"
+            )
+        if isinstance(exc, KubeTlsError):
+            return JoinError(
+                f"cannot {what}: the cluster's API at {self.endpoint} cannot be reached "
+                "(TLS verification failed); check the certificate-authority of kubeconfig "
+                f"context {self.context!r}"
+            )
+        if isinstance(exc, KubeUnreachable):
+            return JoinError(
+                f"cannot {what}: the cluster's API at {self.endpoint} cannot be reached "
+                f"({exc.failure}); check kubeconfig context {self.context!r}"
+            )
+        if exc.status is None:
+            return JoinError(
+                f"cannot {what}: no answer from the cluster's API at {self.endpoint} that "
+                f"cluster join can use ({exc.failure or exc.code.name}); check kubeconfig "
+                f"context {self.context!r}"
+            )
+        return JoinError(f"cannot {what}: the cluster answered {exc.status} {_phrase(exc.status)}")
 
-    def _fail(self, what: str, exc: BaseException) -> JoinError:
-        if isinstance(exc, ApiException):
-            status = int(exc.status or 0)
-            if status == 401:
-                return JoinError(
-                    f"cannot {what}: the cluster did not accept the credentials of kubeconfig "
-                    f"context {self.context!r} (401); log in again (e.g. `gcloud container "
-                    "clusters get-credentials` or `aws eks update-kubeconfig`)"
-                )
-            if status == 403:
-                return JoinError(
-                    f"cannot {what}: kubeconfig context {self.context!r} is not allowed to "
-                    "(403); cluster join needs an identity that may create namespaces, "
-                    "ServiceAccounts, Secrets and RBAC roles and bindings (cluster-admin)"
-                )
-            return JoinError(f"cannot {what}: the cluster answered {status} {exc.reason}")
-        return JoinError(
-            f"cannot {what}: the cluster's API at {self.endpoint} cannot be reached "
-            f"({type(exc).__name__}); check kubeconfig context {self.context!r}"
-        )
-
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    @contextmanager
+    def _step(self, what: str) -> Iterator[None]:
         try:
-            return fn(*args, **kw)
-        except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+            yield
+        except KubeError as exc:
             raise self._fail(what, exc) from None
 
-    def _exists(self, what: str, fn: Callable[..., Any], *args: Any) -> bool:
-        try:
-            fn(*args)
-            return True
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise self._fail(what, exc) from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise self._fail(what, exc) from None
-
-    def apply(self, namespace: str, *, token_wait_s: float = TOKEN_WAIT_S) -> Joined:
+    async def apply(self, namespace: str) -> Joined:
         """Create what is missing, bring the roles and bindings back to shape, and read the
-        token (waiting for Kubernetes to fill it in)."""
+        token (waiting up to `TOKEN_WAIT_S` for Kubernetes to fill it in)."""
         steps: list[str] = []
         ns = namespace
         for kind, manifest in manifests(namespace):
             name = manifest["metadata"]["name"]
-            label = (
-                f"{kind.lower()} {name}"
-                if kind in ("Namespace", "ClusterRole", "ClusterRoleBinding")
-                else f"{kind.lower()} {ns}/{name}"
-            )
-            read, create, replace = self._verbs(kind, ns)
-            if not self._exists(f"read {label}", read, name):
-                self._call(f"create {label}", create, manifest)
+            scope = None if kind in CLUSTER_SCOPED_KINDS else ns
+            label = f"{kind.lower()} {name}" if scope is None else f"{kind.lower()} {ns}/{name}"
+            with self._step(f"read {label}"):
+                found = await self.api.read_object(kind, name, scope)
+            if found is None:
+                with self._step(f"create {label}"):
+                    await self.api.create_object(manifest)
                 steps.append(f"{label}: created")
-            elif replace is not None:
-                self._call(f"update {label}", replace, name, manifest)
+            elif kind in REPLACED_KINDS:
+                with self._step(f"update {label}"):
+                    await self.api.replace_object(manifest)
                 steps.append(f"{label}: updated")
             else:
                 steps.append(f"{label}: exists, kept")
-        token, ca = self._token(ns, token_wait_s)
+        token, ca = await self._token(ns)
         return Joined(
             endpoint=self.endpoint, ca_pem=ca or self.ca_pem, token=token, steps=tuple(steps)
         )
 
-    def _verbs(
-        self, kind: str, ns: str
-    ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any] | None]:
-        core, rbac = self.core, self.rbac
-        table: dict[
-            str, tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any] | None]
-        ] = {
-            "Namespace": (core.read_namespace, core.create_namespace, None),
-            "ServiceAccount": (
-                lambda n: core.read_namespaced_service_account(n, ns),
-                lambda m: core.create_namespaced_service_account(ns, m),
-                None,
-            ),
-            "ClusterRole": (
-                rbac.read_cluster_role,
-                rbac.create_cluster_role,
-                rbac.replace_cluster_role,
-            ),
-            "ClusterRoleBinding": (
-                rbac.read_cluster_role_binding,
-                rbac.create_cluster_role_binding,
-                rbac.replace_cluster_role_binding,
-            ),
-            "Role": (
-                lambda n: rbac.read_namespaced_role(n, ns),
-                lambda m: rbac.create_namespaced_role(ns, m),
-                lambda n, m: rbac.replace_namespaced_role(n, ns, m),
-            ),
-            "RoleBinding": (
-                lambda n: rbac.read_namespaced_role_binding(n, ns),
-                lambda m: rbac.create_namespaced_role_binding(ns, m),
-                lambda n, m: rbac.replace_namespaced_role_binding(n, ns, m),
-            ),
-            "Secret": (
-                lambda n: core.read_namespaced_secret(n, ns),
-                lambda m: core.create_namespaced_secret(ns, m),
-                None,
-            ),
-        }
-        return table[kind]
+    async def _token(self, ns: str) -> tuple[str, bytes | None]:
+        with self._step(f"read secret {ns}/{TOKEN_SECRET}"):
+            with trio.move_on_after(TOKEN_WAIT_S):
+                token = await self.api.wait_secret_value(ns, TOKEN_SECRET, "token")
+                ca = await self.api.read_secret_value(ns, TOKEN_SECRET, "ca.crt")
+                return token, ca.encode() if ca else None
+        raise JoinError(
+            f"secret {ns}/{TOKEN_SECRET} got no token within {TOKEN_WAIT_S:g} s; is the "
+            "cluster's token controller running? (kubectl -n "
+            f"{ns} describe secret {TOKEN_SECRET})"
+        )
 
-    def _token(self, ns: str, wait_s: float) -> tuple[str, bytes | None]:
-        deadline = time.monotonic() + wait_s
-        what = f"read secret {ns}/{TOKEN_SECRET}"
-        while True:
-            secret = self._call(what, self.core.read_namespaced_secret, TOKEN_SECRET, ns)
-            data = secret.data or {}
-            if data.get("token"):
-                token = base64.b64decode(data["token"]).decode()
-                ca = base64.b64decode(data["ca.crt"]) if data.get("ca.crt") else None
-                return token, ca
-            if time.monotonic() >= deadline:
-                raise JoinError(
-                    f"secret {ns}/{TOKEN_SECRET} got no token within {wait_s:g} s; is the "
-                    "cluster's token controller running? (kubectl -n "
-                    f"{ns} describe secret {TOKEN_SECRET})"
-                )
-            time.sleep(0.2)
-
-    def remove(self, namespace: str, *, delete_namespace: bool) -> list[str]:
+    async def remove(self, namespace: str, *, delete_namespace: bool) -> list[str]:
         """Undo the join: the cluster-wide role and binding, then the namespace (with the
         ServiceAccount, its token, the Role and what workers left) or those objects alone."""
-        steps: list[str] = []
         role = cluster_role_name(namespace)
         ns = namespace
-        deletions: list[tuple[str, Callable[[], Any]]] = [
-            (f"clusterrolebinding {role}", lambda: self.rbac.delete_cluster_role_binding(role)),
-            (f"clusterrole {role}", lambda: self.rbac.delete_cluster_role(role)),
+        deletions: list[tuple[str, str, str | None]] = [
+            ("ClusterRoleBinding", role, None),
+            ("ClusterRole", role, None),
         ]
         if delete_namespace:
-            deletions.append((f"namespace {ns}", lambda: self.core.delete_namespace(ns)))
+            deletions.append(("Namespace", ns, None))
         else:
             deletions += [
-                (
-                    f"rolebinding {ns}/{SERVICE_ACCOUNT}",
-                    lambda: self.rbac.delete_namespaced_role_binding(SERVICE_ACCOUNT, ns),
-                ),
-                (
-                    f"role {ns}/{SERVICE_ACCOUNT}",
-                    lambda: self.rbac.delete_namespaced_role(SERVICE_ACCOUNT, ns),
-                ),
-                (
-                    f"secret {ns}/{TOKEN_SECRET}",
-                    lambda: self.core.delete_namespaced_secret(TOKEN_SECRET, ns),
-                ),
-                (
-                    f"serviceaccount {ns}/{SERVICE_ACCOUNT}",
-                    lambda: self.core.delete_namespaced_service_account(SERVICE_ACCOUNT, ns),
-                ),
+                ("RoleBinding", SERVICE_ACCOUNT, ns),
+                ("Role", SERVICE_ACCOUNT, ns),
+                ("Secret", TOKEN_SECRET, ns),
+                ("ServiceAccount", SERVICE_ACCOUNT, ns),
             ]
-        for label, delete in deletions:
-            try:
-                delete()
-                steps.append(f"{label}: deleted")
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise self._fail(f"delete {label}", exc) from None
-                steps.append(f"{label}: already gone")
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
-                raise self._fail(f"delete {label}", exc) from None
+        steps: list[str] = []
+        for kind, name, scope in deletions:
+            label = f"{kind.lower()} {name}" if scope is None else f"{kind.lower()} {ns}/{name}"
+            with self._step(f"delete {label}"):
+                deleted = await self.api.delete_object(kind, name, scope)
+            steps.append(f"{label}: deleted" if deleted else f"{label}: already gone")
         return steps
 
 
-def open_cluster_side(kubeconfig: str | None, context: str | None) -> ClusterSide:
-    """The operator's cluster from their kubeconfig (`KUBECONFIG` or ~/.kube/config when
-    `kubeconfig` is None) and context (the current one when None)."""
-    cfg = k8s.Configuration()
+def _phrase(status: int) -> str:
     try:
-        contexts, current = k8s_config.list_kube_config_contexts(config_file=kubeconfig)
-        chosen = context or (current or {}).get("name")
-        if chosen not in [c.get("name") for c in contexts]:
-            raise JoinError(
-                f"the kubeconfig has no context {chosen!r}; pick one with --context "
-                f"({', '.join(str(c.get('name')) for c in contexts)})"
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+@asynccontextmanager
+async def open_cluster_side(
+    kubeconfig: str | None, context: str | None
+) -> AsyncIterator[ClusterSide]:
+    """The operator's cluster from their kubeconfig (`KUBECONFIG` or ~/.kube/config when
+    `kubeconfig` is None) and context (the current one when None); its connections and temp
+    files go away on exit."""
+    async with AsyncExitStack() as stack:
+        try:
+            contexts = await trio.to_thread.run_sync(kubeconfig_contexts, kubeconfig)
+            chosen = context or contexts.current
+            if chosen is None or chosen not in contexts.names:
+                raise JoinError(
+                    f"the kubeconfig has no context {chosen!r}; pick one with --context "
+                    f"({', '.join(contexts.names)})"
+                )
+            cluster: KubeconfigCluster = await stack.enter_async_context(
+                open_kubeconfig_client(kubeconfig, chosen)
             )
-        k8s_config.load_kube_config(
-            config_file=kubeconfig, context=chosen, client_configuration=cfg, persist_config=False
+        except KubeconfigError as exc:
+            hint = "one" if isinstance(exc, NotAKubeconfig) else "a kubeconfig"
+            raise JoinError(f"{exc.message}; point --kubeconfig at {hint}") from None
+        yield ClusterSide(
+            cluster.client, endpoint=cluster.endpoint, ca_pem=cluster.ca_pem, context=chosen
         )
-    except ConfigException as exc:
-        where = kubeconfig or "the default kubeconfig"
-        raise JoinError(f"cannot use {where}: {exc}; point --kubeconfig at a kubeconfig") from None
-    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
-        # The client's loader assumes a well-formed file and fails on anything else.
-        where = kubeconfig or "the default kubeconfig"
-        raise JoinError(
-            f"{where} is not a kubeconfig (clusters, users, contexts); point --kubeconfig at one"
-        ) from None
-    ca_pem = Path(cfg.ssl_ca_cert).read_bytes() if cfg.ssl_ca_cert else b""
-    return ClusterSide(k8s.ApiClient(configuration=cfg), cfg.host, ca_pem, str(chosen))

@@ -109,12 +109,21 @@ class JoinedPoolStore:
             name = str((secret.get("metadata") or {}).get("labels", {}).get(POOL_LABEL, ""))
             block = pool_of_secret(secret)
             if not name or block is None or block.get("name") != name:
-                log.warning("joined pool secret %s is unreadable; left out", secret_name(name))
+                log.warning(
+                    "joined pool secret %s is unreadable; left out",
+                    secret_name(name),
+                    extra={"pool": name, "secret": secret_name(name)},
+                )
                 continue
             try:
                 load_pools([block])
             except ConfigError as exc:
-                log.warning("joined pool %s no longer loads, left out: %s", name, exc)
+                log.warning(
+                    "joined pool %s no longer loads, left out: %s",
+                    name,
+                    exc,
+                    extra={"pool": name, "secret": secret_name(name)},
+                )
                 continue
             blocks[name] = block
         self.blocks = blocks

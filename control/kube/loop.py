@@ -9,7 +9,11 @@ worker's record expired. A Job's worker id is the Job's name and its token is mi
 registry accepts it from then on and forgets it when the Job is deleted.
 
 A pass that fails (the cluster answered 401, or stayed unavailable through the adapter's
-retries) changes nothing and is logged with its reason; the next pass tries again.
+retries) changes nothing more and is logged with its reason; the next pass tries again.
+
+Each pass logs one canonical line, its counts as fields (`pool`, `nodes`, `pods`, `jobs`,
+`machines`, `skipped`, `jobs_created`, `jobs_deleted`, `duration_s`; `error` when it failed),
+so a log pipeline filters and graphs passes without parsing the message.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from control.kube.planner import (
     worker_labels,
 )
 from control.kube.pools import PoolConfig
+from control.models import WorkerState
 from control.registry import WorkerRegistry
 
 log = logging.getLogger("levers9.reconcile")
@@ -95,6 +100,22 @@ def _created_at(job: Mapping[str, Any]) -> float | None:
         return None
 
 
+@attrs.define
+class PassCounts:
+    """What one pass saw and did, for its canonical log line."""
+
+    nodes: int = 0
+    pods: int = 0
+    jobs: int = 0
+    machines: int = 0
+    skipped: int = 0
+    jobs_created: int = 0
+    jobs_deleted: int = 0
+
+    def fields(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
 FOLLOW_UP_S = 2.0
 """A pass that created or deleted Jobs is followed this soon by another, so the machines show
 the new workers without waiting a whole `reconcileSeconds`."""
@@ -143,51 +164,73 @@ class PoolReconciler:
     async def reconcile_once(self) -> Plan | None:
         """One pass; returns its plan, or None when the cluster could not be read or written."""
         started = time.monotonic()
+        counts = PassCounts()
+        name = self.settings.name
         try:
-            plan = await self._pass()
+            plan = await self._pass(counts)
         except KubeError as exc:
-            log.warning("pool %s: reconcile failed: %s", self.settings.name, exc.message)
+            log.warning(
+                "pool %s: reconcile failed: %s",
+                name,
+                exc.message,
+                extra={
+                    "pool": name,
+                    **counts.fields(),
+                    "duration_s": round(time.monotonic() - started, 3),
+                    "error": exc.code.name,
+                },
+            )
             self.status = attrs.evolve(self.status, error=exc.message, passed_at=self.clock())
             self.passes.unpark_all()
             return None
         self.status = PoolStatus(
-            pool=self.settings.name,
+            pool=name,
             machines=plan.machines,
             skipped=plan.skipped,
             passed_at=self.clock(),
         )
         log.info(
-            "pool %s: %d machine(s), %d node(s) skipped, %d action(s)",
-            self.settings.name,
-            len(plan.machines),
-            len(plan.skipped),
-            len(plan.actions),
+            "pool %s: %d node(s), %d machine(s), %d skipped; %d job(s) created, %d deleted",
+            name,
+            counts.nodes,
+            counts.machines,
+            counts.skipped,
+            counts.jobs_created,
+            counts.jobs_deleted,
             extra={
-                "pool": self.settings.name,
-                "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                "pool": name,
+                **counts.fields(),
+                "duration_s": round(time.monotonic() - started, 3),
             },
         )
         self.passes.unpark_all()
         return plan
 
-    async def _pass(self) -> Plan:
+    async def _pass(self, counts: PassCounts) -> Plan:
         namespace = self.settings.namespace
         if not self._namespace_ready:
             await self.kube.ensure_namespace(namespace)
             self._namespace_ready = True
         nodes = await self.kube.list_nodes(label_selector_text(self.settings.selector))
+        counts.nodes = len(nodes)
         pods = await self.kube.list_pods()
+        counts.pods = len(pods)
         jobs = await self.kube.list_jobs(namespace, self._jobs_selector)
+        counts.jobs = len(jobs)
         now = self.clock()
         await self._adopt_tokens(jobs)
         await self._note_finished(jobs)
         self._fold_in(jobs, now)
         plan = plan_pool(self.settings, nodes, pods, jobs, self.records.values(), now)
+        counts.machines = len(plan.machines)
+        counts.skipped = len(plan.skipped)
         for action in plan.actions:
             if isinstance(action, CreateJob):
-                await self._create(action, now)
+                if await self._create(action, now):
+                    counts.jobs_created += 1
             else:
                 await self._delete(action)
+                counts.jobs_deleted += 1
         return plan
 
     async def _adopt_tokens(self, jobs: list[dict[str, Any]]) -> None:
@@ -202,7 +245,12 @@ class PoolReconciler:
             )
             if token:
                 self.registry.add_worker(name, token)
-                log.info("pool %s: adopted worker %s", self.settings.name, name)
+                log.info(
+                    "pool %s: adopted worker %s",
+                    self.settings.name,
+                    name,
+                    extra={"pool": self.settings.name, "worker": name},
+                )
 
     async def _note_finished(self, jobs: list[dict[str, Any]]) -> None:
         """A worker whose Job has ended (the agent exited or was killed) is gone: whatever it
@@ -226,15 +274,18 @@ class PoolReconciler:
                 self.records[name] = WorkerRecord(
                     job_name=name,
                     node=node,
-                    state="pending",
+                    state=WorkerState.PENDING,
                     created_at=_created_at(job) or now,
                 )
         for name, record in list(self.records.items()):
             seen = self.registry.last_seen(name, now)
             if seen is not None and (record.last_heartbeat is None or seen > record.last_heartbeat):
-                self.records[name] = attrs.evolve(record, state="ready", last_heartbeat=seen)
+                self.records[name] = attrs.evolve(
+                    record, state=WorkerState.READY, last_heartbeat=seen
+                )
 
-    async def _create(self, action: CreateJob, now: float) -> None:
+    async def _create(self, action: CreateJob, now: float) -> bool:
+        """Start the worker; False when its Job was there already (nothing new started)."""
         namespace = self.settings.namespace
         token = secrets.token_urlsafe(32)
         manifests = job_manifest(
@@ -255,8 +306,13 @@ class PoolReconciler:
             job = await self.kube.create_job(namespace, manifests.job)
         except KubeAlreadyExists:
             # A retry of a create that went through: the name is deterministic, nothing doubles.
-            log.info("pool %s: job %s already exists", self.settings.name, action.name)
-            return
+            log.info(
+                "pool %s: job %s already exists",
+                self.settings.name,
+                action.name,
+                extra={"pool": self.settings.name, "worker": action.name, "node": action.node},
+            )
+            return False
         uid = str((job.get("metadata") or {}).get("uid", ""))
         try:
             await self.kube.create_secret(namespace, with_job_uid(manifests.secret, uid))
@@ -264,7 +320,7 @@ class PoolReconciler:
             await self.kube.delete_secret(namespace, token_secret_name(action.name))
             await self.kube.create_secret(namespace, with_job_uid(manifests.secret, uid))
         self.records[action.name] = WorkerRecord(
-            job_name=action.name, node=action.node, state="pending", created_at=now
+            job_name=action.name, node=action.node, state=WorkerState.PENDING, created_at=now
         )
         log.info(
             "pool %s: started worker %s on %s with %d card(s)",
@@ -272,7 +328,14 @@ class PoolReconciler:
             action.name,
             action.node,
             action.cards,
+            extra={
+                "pool": self.settings.name,
+                "worker": action.name,
+                "node": action.node,
+                "cards": action.cards,
+            },
         )
+        return True
 
     async def _delete(self, action: DeleteJob) -> None:
         namespace = self.settings.namespace
@@ -288,7 +351,13 @@ class PoolReconciler:
         if self.on_worker_gone is not None and action.name not in self._gone:
             self._gone.add(action.name)
             await self.on_worker_gone(action.name, f"its Job was deleted ({action.reason})")
-        log.info("pool %s: deleted worker %s (%s)", self.settings.name, action.name, action.reason)
+        log.info(
+            "pool %s: deleted worker %s (%s)",
+            self.settings.name,
+            action.name,
+            action.reason,
+            extra={"pool": self.settings.name, "worker": action.name, "reason": action.reason},
+        )
 
     async def remove_all(self) -> None:
         """The pool is gone from the config: delete its Jobs and Secrets (not the namespace,

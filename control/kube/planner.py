@@ -19,11 +19,12 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
 from agent.wire.errors import ApiError, ErrorCode
+from control.models import WorkerState
 
 GPU_RESOURCE = "nvidia.com/gpu"
 NAME_LABEL = "app.kubernetes.io/name"
@@ -342,9 +343,6 @@ class PoolSettings:
     ttl_seconds_after_finished: int = 600
 
 
-WorkerState = Literal["pending", "ready"]
-
-
 @attrs.frozen
 class WorkerRecord:
     """The controlplane's record of one worker (Job): pending from creation, ready once the
@@ -362,7 +360,7 @@ class WorkerRecord:
 
 @attrs.frozen
 class WorkerView:
-    state: str
+    state: WorkerState
     age_seconds: float
 
 
@@ -676,7 +674,7 @@ def plan_pool(
             is_our_worker(pod) and (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES
             for pod in node_pods
         ):
-            view = WorkerView("stopping", 0.0)
+            view = WorkerView(WorkerState.STOPPING, 0.0)
             result = attrs.evolve(result, worker=view)
         machines.append(result)
         if view is None and result.cards.free > 0:
@@ -708,10 +706,10 @@ def _worker_view(
     record = records.get(job.name)
     if record is not None:
         since = record.created_at
-        state: str = record.state
+        state = record.state
     else:
         since = job.created_at if job.created_at is not None else now
-        state = "pending"
+        state = WorkerState.PENDING
     return WorkerView(state, max(now - since, 0.0))
 
 

@@ -263,12 +263,14 @@ def load_pools(
             )
     pools: list[PoolConfig] = []
     warnings: list[str] = []
+    warnings_of: dict[str, list[str]] = {}
     seen: set[str] = set()
     for index, given in enumerate(raw):
         block = given
         if isinstance(given, Mapping) and given.get("name") in by_name:
             block = _with_credentials(given, by_name[str(given["name"])])
         pool, pool_warnings = _load_one(index, block)
+        warnings_of[pool.name] = pool_warnings
         if pool.name in seen:
             raise ConfigError(
                 f"config.worker.pools[{pool.name}].name: the pool name appears twice; "
@@ -277,8 +279,9 @@ def load_pools(
         seen.add(pool.name)
         pools.append(pool)
         warnings += pool_warnings
-    for warning in warnings:
-        log.warning("%s", warning)
+    for pool in pools:
+        for warning in warnings_of[pool.name]:
+            log.warning("%s", warning, extra={"pool": pool.name})
     return LoadedPools(pools=tuple(pools), warnings=tuple(warnings))
 
 

@@ -30,7 +30,7 @@ import trio
 from agent.api.client import WorkerClient
 from agent.api.models import ContainerSpec, ContainerStatus, Resources
 from agent.wire.errors import ApiError, ErrorCode, dumps
-from control.models import TaskSnapshot, TaskView
+from control.models import TaskSnapshot, TaskState, TaskView
 from control.registry import WorkerEntry, WorkerRegistry
 from control.tasks.scheduler import PendingTask, WorkerCapacity, schedule
 from control.tasks.store import (
@@ -42,7 +42,6 @@ from control.tasks.store import (
     Running,
     Start,
     TaskRecord,
-    TaskState,
     TaskStore,
     TransitionError,
 )
@@ -131,6 +130,19 @@ def outcome(status: ContainerStatus) -> Exited | Failed:
     return Failed(status.error or f"the container ended in state {status.state}")
 
 
+def _fields(**fields: object) -> dict[str, object]:
+    """Log fields, leaving out those not known (None)."""
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def _duration_s(record: TaskRecord) -> float | None:
+    """How long an ended task ran: from its container running (or its placement) to its end."""
+    begun = record.running_at if record.running_at is not None else record.started_at
+    if begun is None or record.finished_at is None:
+        return None
+    return round(record.finished_at - begun, 3)
+
+
 def keep_tail(lines: list[bytes], limit_bytes: int) -> bytes:
     """The last whole lines that fit in `limit_bytes`. Pure."""
     kept: collections.deque[bytes] = collections.deque()
@@ -192,7 +204,11 @@ class Dispatcher:
                     try:
                         await self.schedule_once()
                     except ApiError as exc:
-                        log.warning("scheduling pass failed: %s", exc.message)
+                        log.warning(
+                            "scheduling pass failed: %s",
+                            exc.message,
+                            extra={"code": exc.code.name},
+                        )
             finally:
                 self.registry.listeners.remove(self.wake)
                 await self._cut_cleanups()
@@ -237,6 +253,7 @@ class Dispatcher:
                     "worker %s: removing container %s, which no task owns any more",
                     worker_id,
                     container.id,
+                    extra={"worker": worker_id, "container": container.id},
                 )
                 if container.state not in ("exited", "failed"):
                     await client.stop_container(container.id, grace_s=0)
@@ -245,7 +262,12 @@ class Dispatcher:
         try:
             await self.on_worker(worker_id, remove_strays)
         except (ApiError, WorkerLost) as exc:
-            log.warning("worker %s: could not remove stray containers: %s", worker_id, exc)
+            log.warning(
+                "worker %s: could not remove stray containers: %s",
+                worker_id,
+                exc,
+                extra={"worker": worker_id},
+            )
         self._synced.add(worker_id)
         self.wake()
 
@@ -302,7 +324,17 @@ class Dispatcher:
             except BaseException:
                 self._release(placed)
                 raise
-            log.info("task %s placed on worker %s", record.id, assignment.worker_id)
+            log.info(
+                "task %s placed on worker %s",
+                record.id,
+                assignment.worker_id,
+                extra=_fields(
+                    task=record.id,
+                    worker=assignment.worker_id,
+                    node=entry.node,
+                    workspace=record.workspace,
+                ),
+            )
             assert self._nursery is not None
             self._nursery.start_soon(self._watch, started, False)
         if plan.assignments:
@@ -349,7 +381,7 @@ class Dispatcher:
         return TaskView(
             id=record.id,
             workspace=record.workspace,
-            state=record.state.value,
+            state=record.state,
             image=spec.image,
             created_at=record.created_at,
             command=spec.command,
@@ -380,7 +412,11 @@ class Dispatcher:
         if watch is not None:
             watch.cancelled = True
             watch.scope.cancel()
-        log.info("task %s cancelled", task_id)
+        log.info(
+            "task %s cancelled",
+            task_id,
+            extra=_fields(task=task_id, workspace=workspace, worker=record.worker),
+        )
         self.changed()
         self.wake()
         return record
@@ -412,7 +448,12 @@ class Dispatcher:
         lost = await self.store.mark_worker_lost(worker_id, f"worker {worker_id} is gone: {reason}")
         for record in lost:
             self._running_records.pop(record.id, None)
-            log.warning("task %s lost: %s", record.id, record.reason)
+            log.warning(
+                "task %s lost: %s",
+                record.id,
+                record.reason,
+                extra=_fields(task=record.id, worker=worker_id, node=record.node),
+            )
             watch = self._watches.get(record.id)
             if watch is not None:
                 watch.lost = True
@@ -476,7 +517,11 @@ class Dispatcher:
                 event = Failed(exc.message)
             await self._settle(record, event)
         except Exception:
-            log.exception("task %s: watching it failed", record.id)
+            log.exception(
+                "task %s: watching it failed",
+                record.id,
+                extra=_fields(task=record.id, worker=record.worker),
+            )
             await self._settle(record, Failed("the controlplane failed to follow the task"))
         finally:
             for hook in self.on_ended:
@@ -500,6 +545,14 @@ class Dispatcher:
             record.id,
             after.state.value,
             f": {after.reason}" if after.reason else "",
+            extra=_fields(
+                task=record.id,
+                worker=after.worker,
+                node=after.node,
+                state=after.state.value,
+                exit_code=after.exit_code,
+                duration_s=_duration_s(after),
+            ),
         )
         self.changed()
         return after
@@ -644,7 +697,13 @@ class Dispatcher:
             target = await self.registry.client_for(worker)
             async with contextlib.aclosing(source.get_object(digest)) as chunks:
                 await target.put_object(digest, chunks, size=size)
-            log.info("snapshot %s copied from %s to %s", digest, entry.worker_id, worker)
+            log.info(
+                "snapshot %s copied from %s to %s",
+                digest,
+                entry.worker_id,
+                worker,
+                extra={"digest": digest, "source_worker": entry.worker_id, "worker": worker},
+            )
             return
         raise ApiError(
             ErrorCode.FAILED_PRECONDITION,
@@ -676,10 +735,19 @@ class Dispatcher:
             except (ApiError, WorkerLost) as exc:
                 if getattr(exc, "code", None) is not ErrorCode.NOT_FOUND:
                     log.warning(
-                        "task %s: cleaning up on worker %s failed: %s", task_id, worker, exc
+                        "task %s: cleaning up on worker %s failed: %s",
+                        task_id,
+                        worker,
+                        exc,
+                        extra={"task": task_id, "worker": worker, "container": task_id},
                     )
             finally:
                 self._cleanups.discard(shield)
                 self._cleanup_ended.unpark_all()
         if shield.cancelled_caught:
-            log.info("task %s: clean-up on worker %s cut short: stopping", task_id, worker)
+            log.info(
+                "task %s: clean-up on worker %s cut short: stopping",
+                task_id,
+                worker,
+                extra={"task": task_id, "worker": worker, "container": task_id},
+            )

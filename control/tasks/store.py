@@ -21,7 +21,6 @@ task on a worker.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import secrets
@@ -36,26 +35,13 @@ import trio
 
 from agent.api.models import VolumeSpec
 from agent.wire.errors import ApiError, ErrorCode, dumps, loads
+from control.models import TaskState
 
 T = TypeVar("T")
 
 
-class TaskState(enum.Enum):
-    PENDING = "pending"
-    STARTING = "starting"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    LOST = "lost"
-
-    @property
-    def terminal(self) -> bool:
-        return self in _TERMINAL
-
-
-_TERMINAL = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED, TaskState.LOST})
 ACTIVE_ON_WORKER = (TaskState.STARTING, TaskState.RUNNING)
+"""A task placed on a worker that has not ended: its worker holds (or makes) its container."""
 
 
 @attrs.frozen

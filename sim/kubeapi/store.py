@@ -868,8 +868,14 @@ def synthetic_cluster(kube: KubeStandin, nodes: int, pods_per_node: int) -> None
 
 def synthetic_workers(kube: KubeStandin, pool: str, namespace: str = "levers9") -> None:
     """A running worker of `pool` on every node, as a reconcile pass would have left them:
-    the Job (from the real manifest) and its pod holding 3 cards."""
-    from control.kube.planner import PoolSettings, job_manifest, job_name, token_secret_name
+    the Job (from the real manifest), its token Secret and its pod holding 3 cards."""
+    from control.kube.planner import (
+        PoolSettings,
+        job_manifest,
+        job_name,
+        token_secret_name,
+        with_job_uid,
+    )
 
     kube.add_namespace(namespace)
     settings = PoolSettings(name=pool, namespace=namespace, image="worker:bench")
@@ -887,4 +893,6 @@ def synthetic_workers(kube: KubeStandin, pool: str, namespace: str = "levers9") 
             hostname=node_name,
         )
         job = kube._put("jobs", manifests.job, create=True)
+        # Its token Secret too, as the reconciler creates it: a pass reads it back only once.
+        kube.create("secrets", with_job_uid(manifests.secret, job["metadata"]["uid"]))
         kube.run_job_pod(job, node_name)

@@ -30,7 +30,6 @@ from typing import Any
 import trio
 
 from bench.report import render_table, write_report
-from control.models import WorkerState
 from control.kube.planner import (
     PoolSettings,
     Selector,
@@ -39,6 +38,7 @@ from control.kube.planner import (
     job_name,
     plan_pool,
 )
+from control.models import WorkerState
 
 QUICK = {"nodes": 1_000, "pods": 20_000, "repeats": 3}
 FULL = {"nodes": 5_000, "pods": 100_000, "repeats": 3}

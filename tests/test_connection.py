@@ -662,7 +662,9 @@ async def test_a_peer_that_stops_reading_is_closed_after_the_write_timeout(
     ours, _peer = trio.testing.lockstep_stream_pair()
     conn = Http2Connection(ours, client_side=False, write_timeout_s=5.0)
     started = trio.current_time()
-    with trio.fail_after(60):
+    # Its preface never went out, so the connection never got ready: whoever started it is
+    # told so with ConnectionLost (the error callers retry), not left waiting.
+    with trio.fail_after(60), pytest.raises(ConnectionLost):
         await conn.run()
     assert conn.closed
     assert "stopped reading" in (conn.close_reason or "")

@@ -34,11 +34,15 @@ from agent.runtime.manager import ContainerManager, open_container_manager
 from agent.runtime.ocispec import write_bundle
 from agent.runtime.runc import remove_cgroup
 from bench.ingest import measure_ingest_vs_cp
-from bench.report import render_table, write_report
+from bench.report import Results, ratios_of, render_sections, write_report
 from sim.registry import busybox_image, push, running_registry
 
 QUICK = {"starts": 5, "ingest_bytes": 64 << 20, "ingest_repeats": 2}
 FULL = {"starts": 20, "ingest_bytes": 256 << 20, "ingest_repeats": 3}
+RATIOS = {
+    "start_cached_vs_runc": ("start_cached_ms_p50", "start_runc_ms_p50"),
+    "start_cached_min_vs_runc": ("start_cached_ms_min", "start_runc_ms_min"),
+}
 
 
 def _say(message: str) -> None:
@@ -109,7 +113,9 @@ def _bare_bundle(manager: ContainerManager, source_id: str, workdir: Path) -> Pa
     return bundle
 
 
-async def measure_starts(workdir: Path, starts: int) -> dict[str, float]:
+async def measure_starts(workdir: Path, starts: int) -> Results:
+    """Cached starts of ours (figures, with the phases of a cold start and of cached ones)
+    against bare runc (anchors), and their ratios."""
     with running_registry(workdir / "registry") as registry:
         push(registry.url, "busybox", "latest", busybox_image())
         image = f"{registry.host}/busybox:latest"
@@ -137,10 +143,12 @@ async def measure_starts(workdir: Path, starts: int) -> dict[str, float]:
                 bare.append(await trio.to_thread.run_sync(_start_bare, runc_root, bundle, n))
     figures = {
         "start_cached_ms_p50": statistics.median(ours) * 1000,
-        "start_runc_ms_p50": statistics.median(bare) * 1000,
         "start_cached_ms_min": min(ours) * 1000,
-        "start_runc_ms_min": min(bare) * 1000,
         "cold_total_ms": cold_s * 1000,
+    }
+    anchors = {
+        "start_runc_ms_p50": statistics.median(bare) * 1000,
+        "start_runc_ms_min": min(bare) * 1000,
     }
     figures.update({f"cold_phase_{phase}_ms": seconds * 1000 for phase, seconds in phases.items()})
     figures.update(
@@ -149,12 +157,12 @@ async def measure_starts(workdir: Path, starts: int) -> dict[str, float]:
             for phase, seconds in cached.items()
         }
     )
-    return figures
+    return Results(figures=figures, anchors=anchors, ratios=ratios_of(RATIOS, figures, anchors))
 
 
-async def run(workdir: Path, plan: dict[str, int]) -> dict[str, float]:
+async def run(workdir: Path, plan: dict[str, int]) -> Results:
     _say(f"container starts: {plan['starts']} of ours and of bare runc, alternating")
-    figures = await measure_starts(workdir, plan["starts"])
+    starts = await measure_starts(workdir, plan["starts"])
     _say(
         f"object ingest: {plan['ingest_bytes'] >> 20} MiB against cp, best of "
         f"{plan['ingest_repeats']}"
@@ -164,8 +172,7 @@ async def run(workdir: Path, plan: dict[str, int]) -> dict[str, float]:
             workdir / "ingest", size_bytes=plan["ingest_bytes"], repeats=plan["ingest_repeats"]
         )
     )
-    figures.update(ingest)
-    return figures
+    return starts.merged(ingest)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -180,23 +187,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="levers9-bench-containers-", dir="/var/tmp") as tmp:
         workdir = Path(tmp)
         (workdir / "ingest").mkdir()
-        figures = trio.run(run, workdir, plan)
-    ratios = {
-        "start_cached_vs_runc": figures["start_cached_ms_p50"] / figures["start_runc_ms_p50"],
-        "ingest_vs_cp": figures["ingest_vs_cp"],
+        results = trio.run(run, workdir, plan)
+    inputs = {
+        "starts": float(plan["starts"]),
+        "ingest_mib": float(plan["ingest_bytes"] >> 20),
+        "ingest_repeats": float(plan["ingest_repeats"]),
     }
-    anchors = {
-        "start_runc_ms_p50": figures["start_runc_ms_p50"],
-        "cp_mb_s": figures["cp_mb_s"],
-    }
-    rows: list[tuple[str, ...]] = [
-        (name, f"{value:.2f}") for name, value in sorted(figures.items())
-    ]
-    rows += [(f"ratio {name}", f"{value:.3f}") for name, value in ratios.items()]
-    print(render_table(rows, ("figure", "value")))
+    print(render_sections(results.figures, results.anchors, results.ratios, inputs))
     print("targets: start_cached_vs_runc <= 1.5, ingest_vs_cp >= 0.7")
     if args.json:
-        write_report(args.json, figures=figures, ratios=ratios, anchors=anchors)
+        write_report(
+            args.json,
+            figures=results.figures,
+            ratios=results.ratios,
+            anchors=results.anchors,
+            inputs=inputs,
+        )
 
 
 if __name__ == "__main__":

@@ -14,32 +14,44 @@ busy with the previous one's writeback), each reported as its best repeat:
   verify, as an image pull or an upload feeds it.
 
 `measure_ingest_vs_cp` runs its own `trio.run`: call it from plain code (or from a worker
-thread of a trio program), not from inside a running trio task.
+thread of a trio program), not from inside a running trio task. `bench.containers` reports it
+beside container start; alone:
+
+    python -m bench.ingest [--quick] --json FILE
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 import trio
 
 from agent.api.digests import DIGEST_PREFIX
 from agent.store.objects import ObjectStore
+from bench.report import Results, ratios_of, render_sections, write_report
 
 STREAM_CHUNK_BYTES = 1024 * 1024
 """The chunks `ingest()` is fed: the size of the worker API's HTTP/2 frames."""
 WRITE_BLOCK_BYTES = 4 * 1024 * 1024
+QUICK = {"bytes": 64 << 20, "repeats": 2}
+FULL = {"bytes": 256 << 20, "repeats": 3}
+RATIOS = {
+    "ingest_vs_cp": ("ingest_mb_s", "cp_mb_s"),
+    "ingest_stream_vs_cp": ("ingest_stream_mb_s", "cp_mb_s"),
+}
 
 
-def measure_ingest_vs_cp(directory: Path, *, size_bytes: int, repeats: int) -> dict[str, float]:
-    """Throughput (MB/s, 10^6 bytes) of ingest and of `cp` for one random file of
-    `size_bytes` made under `directory`, best of `repeats` each, and their ratios. Everything
-    it writes under `directory` is removed before it returns."""
+def measure_ingest_vs_cp(directory: Path, *, size_bytes: int, repeats: int) -> Results:
+    """Throughput (MB/s, 10^6 bytes) of ingest (figures) and of `cp` (the anchor) for one
+    random file of `size_bytes` made under `directory`, best of `repeats` each, and their
+    ratios. Everything it writes under `directory` is removed before it returns."""
     if size_bytes <= 0 or repeats <= 0:
         raise ValueError("size_bytes and repeats must be positive")
     work = directory / f"ingest-bench-{os.getpid()}"
@@ -50,7 +62,7 @@ def measure_ingest_vs_cp(directory: Path, *, size_bytes: int, repeats: int) -> d
         shutil.rmtree(work, ignore_errors=True)
 
 
-async def _measure(work: Path, size_bytes: int, repeats: int) -> dict[str, float]:
+async def _measure(work: Path, size_bytes: int, repeats: int) -> Results:
     source = work / "source.bin"
     digest = await trio.to_thread.run_sync(_make_source, source, size_bytes)
     # Read once, and kept for the stream path: no path pays for reading the source from disk.
@@ -91,13 +103,9 @@ async def _measure(work: Path, size_bytes: int, repeats: int) -> dict[str, float
     await reset()
     store.close()
     mb_s = {name: size_bytes / seconds / 1e6 for name, seconds in best.items()}
-    return {
-        "ingest_mb_s": mb_s["ingest"],
-        "ingest_stream_mb_s": mb_s["ingest_stream"],
-        "cp_mb_s": mb_s["cp"],
-        "ingest_vs_cp": mb_s["ingest"] / mb_s["cp"],
-        "ingest_stream_vs_cp": mb_s["ingest_stream"] / mb_s["cp"],
-    }
+    figures = {"ingest_mb_s": mb_s["ingest"], "ingest_stream_mb_s": mb_s["ingest_stream"]}
+    anchors = {"cp_mb_s": mb_s["cp"]}
+    return Results(figures=figures, anchors=anchors, ratios=ratios_of(RATIOS, figures, anchors))
 
 
 async def _chunks(content: bytes) -> AsyncIterator[bytes]:
@@ -136,3 +144,32 @@ def _fsync_file_and_directory(path: Path) -> None:
 
 def _remove(path: Path) -> None:
     path.unlink(missing_ok=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.ingest",
+        description="Object store ingest against cp of the same file to the same disk.",
+    )
+    parser.add_argument("--quick", action="store_true", help="64 MiB instead of 256 MiB")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    # /var/tmp: the disk the object store lives on, where /tmp may be memory.
+    with tempfile.TemporaryDirectory(prefix="levers9-bench-ingest-", dir="/var/tmp") as tmp:
+        results = measure_ingest_vs_cp(Path(tmp), size_bytes=plan["bytes"], repeats=plan["repeats"])
+    inputs = {"file_mib": float(plan["bytes"] >> 20), "repeats": float(plan["repeats"])}
+    print(render_sections(results.figures, results.anchors, results.ratios, inputs))
+    print("target: ingest_vs_cp >= 0.7")
+    if args.json:
+        write_report(
+            args.json,
+            figures=results.figures,
+            ratios=results.ratios,
+            anchors=results.anchors,
+            inputs=inputs,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,47 +1,87 @@
-"""Reconcile at scale: the planner's CPU time for one pass over a large cluster.
+"""Reconcile at scale: the planner's CPU time, and a whole pass against `kubectl get` of the
+same lists from the same API server, in one run.
 
-The cluster is built in memory as the Kubernetes API returns it (node, pod and Job dicts):
-5,000 GPU nodes and 100,000 pods (1,000 and 20,000 with `--quick`). Nodes vary the way real
-pools do: some NotReady or cordoned, neighbours holding some or all cards, our workers on a
-share of the nodes with records, a few of them expired. The figure is `time.process_time`
-around `control.kube.planner.plan_pool` (median of the repeats), so other engineers' load on
-the machine's cores does not enter it. Target: `planner_cpu_s` < 1 s for the full size.
+- Planner: the cluster is built in memory as the Kubernetes API returns it (node, pod and Job
+  dicts): 5,000 GPU nodes and 100,000 pods (1,000 and 20,000 with `--quick`). Nodes vary the
+  way real pools do: some NotReady or cordoned, neighbours holding some or all cards, our
+  workers on a share of the nodes with records, a few of them expired. `planner_cpu_s` is
+  `time.process_time` around `control.kube.planner.plan_pool` (median of the repeats), so other
+  people's load on the machine's cores does not enter it. Target: < 1 s for the full size.
+- Pass: the Kubernetes stand-in (`python -m sim.kubeapi`, its own process, TLS) serves as many
+  nodes, each with 20 pods and a running worker of ours (the steady state after the first
+  pass). `pass_wall_s` is one `PoolReconciler.reconcile_once` (list the pool's nodes, every pod
+  and the pool's Jobs through the official client, plan, apply), `pass_cpu_s` the CPU it took in
+  this process. The first pass after a controlplane start also reads every worker's token
+  Secret back; it is timed on its own (`first_pass_wall_s`) and is not a steady-state pass.
+- Anchor: the same reads by the reference client, `kubectl get` of the pool's nodes, every pod
+  (``-A``) and the pool's Jobs, each in pages of `LIST_PAGE` (``--chunk-size``) as our client
+  pages, one after the other as our pass lists them: wall time, and kubectl's CPU (its rusage).
+  With ``-o name`` kubectl asks for the whole objects, as our client does (its default table is
+  a different request, ``as=Table``, which the stand-in answers more slowly), so the server does
+  the same work for both and the ratio compares the clients: kubectl decoding every object
+  against our client decoding them and planning. kubectl's discovery cache is filled before
+  timing, as a user's would be; each of its three runs pays its start-up, which
+  `kubectl_startup_s` (``kubectl version --client``) shows. Ours and kubectl take turns; each
+  figure is the median of its turns.
 
     python -m bench.reconcile [--quick] --json FILE
 
-`pass_wall_s` (a full pass: list through the stand-in API server, plan, apply) is not
-measured yet; `measure_pass_wall_s` is the hook the integration fills in, and the figure is
-left out of the report until it does (a report never carries an unmeasured number).
+Needs kubectl on PATH (as `tests/test_kube_standin.py` and `bench.join` use it). The sizes go
+in the report's ``inputs``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
+import yaml
 
-from bench.report import render_table, write_report
+from bench.report import Results, ratios_of, render_sections, write_report
+from control.kube.adapter import LIST_PAGE, open_kube_client
+from control.kube.loop import PoolReconciler
 from control.kube.planner import (
+    POOL_LABEL,
     PoolSettings,
     Selector,
     WorkerRecord,
     job_manifest,
     job_name,
     plan_pool,
+    worker_labels,
 )
+from control.kube.pools import load_pools
 from control.models import WorkerState
+from control.registry import WorkerRegistry
 
-QUICK = {"nodes": 1_000, "pods": 20_000, "repeats": 3}
-FULL = {"nodes": 5_000, "pods": 100_000, "repeats": 3}
+QUICK = {"nodes": 1_000, "pods": 20_000, "repeats": 3, "passes": 1}
+FULL = {"nodes": 5_000, "pods": 100_000, "repeats": 3, "passes": 3}
+POOL = "bench"
+POOL_SELECTOR = {"pool": POOL}
+"""The labels `sim.kubeapi`'s synthetic nodes carry."""
+WORKER_NAMESPACE = "levers9"
+"""Where `sim.kubeapi --workers-of-pool` puts our Jobs."""
+STANDIN_START_DEADLINE_S = 600.0
+"""Filling the stand-in with the full size takes a while on a small machine."""
+STANDIN_STOP_GRACE_S = 10.0
+RATIOS = {
+    "pass_wall_vs_kubectl": ("pass_wall_s", "kubectl_wall_s"),
+    "pass_cpu_vs_kubectl": ("pass_cpu_s", "kubectl_cpu_s"),
+}
 NOW = 1_700_000_000.0
 SETTINGS = PoolSettings(
     name="bench",
@@ -151,116 +191,234 @@ def measure_planner_cpu_s(
     return statistics.median(times), machines, actions
 
 
-def measure_pass_wall_s(node_count: int, pod_count: int) -> float | None:
-    """Wall seconds of one steady-state pass through the stand-in API server (in its own
-    process, over TLS, through the official client): list the pool's nodes, every pod and the
-    pool's Jobs, fold in heartbeats, plan. Every node already runs our worker, as after the
-    first pass, so the pass is what runs every 15 s."""
-    return trio.run(_measure_pass, node_count, pod_count)
+@attrs.frozen
+class PassSamples:
+    """What `measure_passes` saw: one sample per timed pass and per kubectl run."""
+
+    first_wall_s: float
+    wall_s: list[float]
+    cpu_s: list[float]
+    kubectl_wall_s: list[float]
+    kubectl_cpu_s: list[float]
+    kubectl_startup_s: list[float]
+    machines: int
+    actions: int
 
 
-async def _measure_pass(node_count: int, pod_count: int) -> float:
-    import tempfile
-
-    import yaml
-
-    from control.kube.adapter import open_kube_client
-    from control.kube.loop import PoolReconciler
-    from control.kube.pools import load_pools
-    from control.registry import WorkerRegistry
-
-    with tempfile.TemporaryDirectory(prefix="levers9-bench-reconcile-") as tmp:
-        pods_per_node = max(1, pod_count // node_count)
-        server = await trio.lowlevel.open_process(
-            [
-                sys.executable,
-                "-m",
-                "sim.kubeapi",
-                tmp,
-                "--nodes",
-                str(node_count),
-                "--pods-per-node",
-                str(pods_per_node),
-                "--workers-of-pool",
-                "bench",
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        try:
-            assert server.stdout is not None
-            line = b""
+@asynccontextmanager
+async def open_kube_standin_process(
+    directory: Path, node_count: int, pods_per_node: int
+) -> AsyncIterator[Path]:
+    """``python -m sim.kubeapi`` with a synthetic cluster and our worker on every node, in its
+    own process; yields its kubeconfig, stops it on exit (it also exits when its stdin closes)."""
+    command = [sys.executable, "-m", "sim.kubeapi", str(directory)]
+    command += ["--nodes", str(node_count), "--pods-per-node", str(pods_per_node)]
+    server = await trio.lowlevel.open_process(
+        [*command, "--workers-of-pool", POOL], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert server.stdout is not None
+        line = b""
+        with trio.fail_after(STANDIN_START_DEADLINE_S):
             while not line.endswith(b"\n"):
                 chunk = await server.stdout.receive_some(4096)
                 if not chunk:
-                    raise RuntimeError("the Kubernetes stand-in did not start")
+                    raise RuntimeError(
+                        f"the Kubernetes stand-in exited with {server.returncode} before it served"
+                    )
                 line += chunk
-            info = json.loads(line)
-            kubeconfig = yaml.safe_load(await trio.Path(info["kubeconfig"]).read_text())
-            cluster = kubeconfig["clusters"][0]["cluster"]
-            block = {
-                "name": "bench",
-                "provider": "kubernetes",
-                "kubernetes": {
-                    "flavor": "generic",
-                    "endpoint": cluster["server"],
-                    "caData": cluster["certificate-authority-data"],
-                    "credentials": {"token": kubeconfig["users"][0]["user"]["token"]},
-                    "image": "worker:bench",
-                    "selector": {"pool": "bench"},
-                },
-            }
-            pool = load_pools([block]).pools[0]
-            async with trio.open_nursery() as nursery, open_kube_client(pool) as client:
-                reconciler = PoolReconciler(
-                    pool, client, WorkerRegistry({}, nursery), controlplane_url="https://x"
-                )
-                began = time.perf_counter()
-                plan = await reconciler.reconcile_once()
-                elapsed = time.perf_counter() - began
-                nursery.cancel_scope.cancel()
-            if plan is None:
-                raise RuntimeError(f"the pass failed: {reconciler.status.error}")
-            _say(
-                f"full pass: {len(plan.machines)} machines, {len(plan.actions)} actions, "
-                f"{elapsed:.2f} s"
-            )
-            return elapsed
-        finally:
+        yield Path(json.loads(line)["kubeconfig"])
+    finally:
+        with trio.CancelScope(shield=True):
             if server.stdin is not None:
                 await server.stdin.aclose()
-            with trio.move_on_after(10):
+            with trio.move_on_after(STANDIN_STOP_GRACE_S):
                 await server.wait()
-            server.kill()
+            if server.returncode is None:
+                server.kill()
+                await server.wait()
+
+
+def pool_block(kubeconfig: Path) -> dict[str, Any]:
+    """The pool block an operator would write for the stand-in's cluster."""
+    config = yaml.safe_load(kubeconfig.read_text())
+    cluster = config["clusters"][0]["cluster"]
+    return {
+        "name": POOL,
+        "provider": "kubernetes",
+        "kubernetes": {
+            "flavor": "generic",
+            "endpoint": cluster["server"],
+            "caData": cluster["certificate-authority-data"],
+            "credentials": {"token": config["users"][0]["user"]["token"]},
+            "namespace": WORKER_NAMESPACE,
+            "image": "worker:bench",
+            "selector": POOL_SELECTOR,
+        },
+    }
+
+
+def kubectl_base(kubectl: str, kubeconfig: Path, cache_dir: Path) -> list[str]:
+    """kubectl with the stand-in's kubeconfig and a discovery cache of its own."""
+    return [kubectl, "--kubeconfig", str(kubeconfig), "--cache-dir", str(cache_dir)]
+
+
+def kubectl_commands(base: Sequence[str]) -> list[list[str]]:
+    """The anchor: the three lists a pass reads, in the same pages and order."""
+    paged = f"--chunk-size={LIST_PAGE}"
+    nodes = ",".join(f"{key}={value}" for key, value in POOL_SELECTOR.items())
+    jobs = f"{POOL_LABEL}={worker_labels(POOL, '')[POOL_LABEL]}"
+    return [
+        [*base, "get", "nodes", "-l", nodes, paged, "-o", "name"],
+        [*base, "get", "pods", "-A", paged, "-o", "name"],
+        [*base, "get", "jobs", "-n", WORKER_NAMESPACE, "-l", jobs, paged, "-o", "name"],
+    ]
+
+
+def _children_cpu_s() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+async def time_kubectl(commands: Sequence[Sequence[str]]) -> tuple[float, float]:
+    """Wall and CPU seconds of running `commands` one after the other. The CPU is that of the
+    children reaped meanwhile: only these, as the stand-in is reaped at the very end."""
+    cpu_before = _children_cpu_s()
+    began = time.perf_counter()
+    for command in commands:
+        await trio.run_process(list(command), capture_stdout=True, capture_stderr=True)
+    return time.perf_counter() - began, _children_cpu_s() - cpu_before
+
+
+async def time_pass(reconciler: PoolReconciler) -> tuple[float, float, int, int]:
+    """Wall and CPU seconds (this process) of one pass, and the machines and actions of its
+    plan."""
+    cpu_before = time.process_time()
+    began = time.perf_counter()
+    plan = await reconciler.reconcile_once()
+    wall_s = time.perf_counter() - began
+    cpu_s = time.process_time() - cpu_before
+    if plan is None:
+        raise RuntimeError(f"the pass failed: {reconciler.status.error}")
+    return wall_s, cpu_s, len(plan.machines), len(plan.actions)
+
+
+async def measure_passes(
+    workdir: Path, node_count: int, pods_per_node: int, passes: int
+) -> PassSamples:
+    """A first pass (untimed for the figures, its wall time kept), then `passes` of ours and
+    of kubectl's, taking turns, against one stand-in."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise RuntimeError("kubectl is not on PATH; the reconcile benchmark's anchor needs it")
+    async with open_kube_standin_process(workdir / "kube", node_count, pods_per_node) as kubeconfig:
+        pool = load_pools([pool_block(kubeconfig)]).pools[0]
+        base = kubectl_base(kubectl, kubeconfig, workdir / "kubectl-cache")
+        commands = kubectl_commands(base)
+        # Fill kubectl's discovery cache, as any earlier use of kubectl would have.
+        await trio.run_process([*base, "api-resources", "-o", "name"], capture_stdout=True)
+        samples: dict[str, list[float]] = {
+            "wall": [],
+            "cpu": [],
+            "kubectl_wall": [],
+            "kubectl_cpu": [],
+            "kubectl_startup": [],
+        }
+        async with trio.open_nursery() as nursery, open_kube_client(pool) as client:
+            reconciler = PoolReconciler(
+                pool, client, WorkerRegistry({}, nursery), controlplane_url="https://x"
+            )
+            first_wall_s, _, machines, actions = await time_pass(reconciler)
+            _say(f"first pass: {machines} machines, {actions} actions, {first_wall_s:.2f} s")
+
+            async def ours() -> None:
+                nonlocal machines, actions
+                wall_s, cpu_s, machines, actions = await time_pass(reconciler)
+                samples["wall"].append(wall_s)
+                samples["cpu"].append(cpu_s)
+
+            async def kubectl_get() -> None:
+                wall_s, cpu_s = await time_kubectl(commands)
+                samples["kubectl_wall"].append(wall_s)
+                samples["kubectl_cpu"].append(cpu_s)
+                startup_s, _ = await time_kubectl([[kubectl, "version", "--client"]])
+                samples["kubectl_startup"].append(startup_s)
+
+            for turn in range(passes):
+                for step in (ours, kubectl_get) if turn % 2 == 0 else (kubectl_get, ours):
+                    await step()
+                _say(
+                    f"pass {turn + 1}/{passes}: {machines} machines, {actions} actions, "
+                    f"{samples['wall'][-1]:.2f} s ({samples['cpu'][-1]:.2f} s CPU); kubectl "
+                    f"{samples['kubectl_wall'][-1]:.2f} s ({samples['kubectl_cpu'][-1]:.2f} s CPU)"
+                )
+            nursery.cancel_scope.cancel()
+    return PassSamples(
+        first_wall_s=first_wall_s,
+        wall_s=samples["wall"],
+        cpu_s=samples["cpu"],
+        kubectl_wall_s=samples["kubectl_wall"],
+        kubectl_cpu_s=samples["kubectl_cpu"],
+        kubectl_startup_s=samples["kubectl_startup"],
+        machines=machines,
+        actions=actions,
+    )
+
+
+def run_benchmark(size: Mapping[str, int], workdir: Path) -> tuple[Results, dict[str, float]]:
+    """The planner over an in-memory cluster, then the passes against kubectl, at `size`
+    (keys as `QUICK`'s); the report's sections and its inputs."""
+    pods_per_node = max(1, size["pods"] // size["nodes"])
+    _say(f"{size['nodes']} nodes, {size['pods']} pods, {size['repeats']} planner repeats")
+    cluster = build_cluster(size["nodes"], size["pods"])
+    planner_cpu_s, machines, actions = measure_planner_cpu_s(cluster, size["repeats"])
+    _say(f"planner: {machines} machines, {actions} actions, {planner_cpu_s:.3f} s CPU")
+    planner_pods = len(cluster[1])
+    del cluster  # not needed for the passes, and large
+    _say(f"passes: {size['passes']} of ours and of kubectl's, taking turns")
+    passes = trio.run(measure_passes, workdir, size["nodes"], pods_per_node, size["passes"])
+    figures = {
+        "planner_cpu_s": planner_cpu_s,
+        "pass_wall_s": statistics.median(passes.wall_s),
+        "pass_cpu_s": statistics.median(passes.cpu_s),
+        "first_pass_wall_s": passes.first_wall_s,
+    }
+    anchors = {
+        "kubectl_wall_s": statistics.median(passes.kubectl_wall_s),
+        "kubectl_cpu_s": statistics.median(passes.kubectl_cpu_s),
+        "kubectl_startup_s": statistics.median(passes.kubectl_startup_s),
+    }
+    inputs = {
+        "nodes": float(size["nodes"]),
+        "pods": float(planner_pods),
+        "pass_pods": float(size["nodes"] * (pods_per_node + 1)),
+        "passes": float(size["passes"]),
+    }
+    results = Results(figures=figures, anchors=anchors, ratios=ratios_of(RATIOS, figures, anchors))
+    return results, inputs
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.reconcile",
-        description="CPU time of one reconcile plan over a large in-memory cluster.",
+        description="The reconcile planner's CPU time over a large in-memory cluster, and a "
+        "whole pass against kubectl get of the same lists, in one run.",
     )
     parser.add_argument("--quick", action="store_true", help="1,000 nodes, 20,000 pods")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
     args = parser.parse_args(argv)
-    size = QUICK if args.quick else FULL
-    _say(f"{size['nodes']} nodes, {size['pods']} pods, {size['repeats']} repeats")
-    cluster = build_cluster(size["nodes"], size["pods"])
-    planner_cpu_s, machines, actions = measure_planner_cpu_s(cluster, size["repeats"])
-    figures = {
-        "planner_cpu_s": planner_cpu_s,
-        "nodes": float(size["nodes"]),
-        "pods": float(len(cluster[1])),
-        "machines": float(machines),
-        "actions": float(actions),
-    }
-    pass_wall_s = measure_pass_wall_s(size["nodes"], size["pods"])
-    if pass_wall_s is not None:
-        figures["pass_wall_s"] = pass_wall_s
-    rows: list[tuple[str, ...]] = [(name, f"{value:.3f}") for name, value in figures.items()]
-    print(render_table(rows, ("figure", "value")))
+    with tempfile.TemporaryDirectory(prefix="levers9-bench-reconcile-") as tmp:
+        results, inputs = run_benchmark(QUICK if args.quick else FULL, Path(tmp))
+    print(render_sections(results.figures, results.anchors, results.ratios, inputs))
     print("target: planner_cpu_s < 1 for 5,000 nodes and 100,000 pods")
     if args.json:
-        write_report(args.json, figures=figures, ratios={}, anchors={})
+        write_report(
+            args.json,
+            figures=results.figures,
+            ratios=results.ratios,
+            anchors=results.anchors,
+            inputs=inputs,
+        )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 The report's shape is DESIGN.md's benchmark interface: ``figures`` (ours), ``anchors`` (the same
 figures for the paths we compare against, measured in the same run), ``ratios`` (ours divided by
 the anchor's) and ``machine``, because a figure means little without the machine it came from.
-Values must be finite numbers: a NaN in a report would read as a result.
+A benchmark whose figures depend on its size also writes ``inputs`` (node counts, file sizes):
+what was measured on, never a measurement. Values must be finite numbers: a NaN in a report
+would read as a result.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+import attrs
 import psutil
 
 
@@ -84,6 +87,52 @@ def render_table(rows: list[tuple[str, ...]], headers: tuple[str, ...]) -> str:
     return "\n".join([line(headers), rule, *(line(row) for row in rows)])
 
 
+@attrs.frozen
+class Results:
+    """The report's sections for a benchmark, or one part of it (`merged` joins the parts)."""
+
+    figures: dict[str, float] = attrs.field(factory=dict)
+    anchors: dict[str, float] = attrs.field(factory=dict)
+    ratios: dict[str, float] = attrs.field(factory=dict)
+
+    def merged(self, other: Results) -> Results:
+        return Results(
+            figures={**self.figures, **other.figures},
+            anchors={**self.anchors, **other.anchors},
+            ratios={**self.ratios, **other.ratios},
+        )
+
+
+def render_sections(
+    figures: Mapping[str, float],
+    anchors: Mapping[str, float],
+    ratios: Mapping[str, float],
+    inputs: Mapping[str, float] | None = None,
+) -> str:
+    """The report's sections as one table for people: section, name, value."""
+    sections = {"inputs": inputs or {}, "figures": figures, "anchors": anchors, "ratios": ratios}
+    rows: list[tuple[str, ...]] = [
+        (section, name, f"{value:.4g}")
+        for section, values in sections.items()
+        for name, value in values.items()
+    ]
+    return render_table(rows, ("", "name", "value"))
+
+
+def ratios_of(
+    pairs: Mapping[str, tuple[str, str]],
+    figures: Mapping[str, float],
+    anchors: Mapping[str, float],
+) -> dict[str, float]:
+    """``figures[ours] / anchors[anchor]`` for each ``name: (ours, anchor)`` of `pairs` whose
+    two values were measured (and the anchor's is not zero); the others are left out."""
+    ratios: dict[str, float] = {}
+    for name, (ours, anchor) in pairs.items():
+        if ours in figures and anchors.get(anchor):
+            ratios[name] = figures[ours] / anchors[anchor]
+    return ratios
+
+
 def _checked(section: str, values: Mapping[str, float]) -> dict[str, float]:
     for name, value in values.items():
         if not isinstance(value, int | float) or not math.isfinite(value):
@@ -100,14 +149,18 @@ def write_report(
     figures: dict[str, float],
     ratios: dict[str, float],
     anchors: dict[str, float],
+    inputs: Mapping[str, float] | None = None,
 ) -> None:
-    """Write the JSON report to `path`, replacing it whole (never a half-written file)."""
-    report = {
+    """Write the JSON report to `path`, replacing it whole (never a half-written file);
+    ``inputs`` only where given."""
+    report: dict[str, object] = {
         "figures": _checked("figures", figures),
         "ratios": _checked("ratios", ratios),
         "anchors": _checked("anchors", anchors),
         "machine": machine_info(),
     }
+    if inputs is not None:
+        report["inputs"] = _checked("inputs", inputs)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")

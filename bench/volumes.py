@@ -19,6 +19,8 @@ both see the same machine. MB/s is 10^6 bytes per second.
 
     python -m bench.volumes [--quick] --json FILE
 
+The file's size goes in the report's ``inputs``.
+
 Needs root, rclone and fuse3 (`make deps`).
 """
 
@@ -42,12 +44,16 @@ from botocore.config import Config
 
 from agent.api.models import VolumeSpec
 from agent.volumes.supervisor import Volumes
-from bench.report import render_table, write_report
+from bench.report import ratios_of, render_sections, write_report
 from sim.s3 import S3Server, S3User, s3_credentials, start_s3_server
 
 QUICK = {"bytes": 64 << 20, "repeats": 2}
 FULL = {"bytes": 256 << 20, "repeats": 3}
 BLOCK_BYTES = 1 << 20
+RATIOS = {
+    "write_vs_direct": ("write_mb_s", "direct_write_mb_s"),
+    "read_vs_direct": ("read_mb_s", "direct_read_mb_s"),
+}
 
 
 def _say(message: str) -> None:
@@ -190,24 +196,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "read_mb_s": medians["read_mb_s"],
         "acquire_ms": medians["acquire_ms"],
         "release_ms": medians["release_ms"],
-        "file_mib": float(plan["bytes"] >> 20),
     }
     anchors = {
         "direct_write_mb_s": medians["direct_write_mb_s"],
         "direct_read_mb_s": medians["direct_read_mb_s"],
     }
-    ratios = {
-        "write_vs_direct": figures["write_mb_s"] / anchors["direct_write_mb_s"],
-        "read_vs_direct": figures["read_mb_s"] / anchors["direct_read_mb_s"],
-    }
-    rows: list[tuple[str, ...]] = [
-        (name, f"{value:.1f}") for name, value in {**figures, **anchors}.items()
-    ]
-    rows += [(f"ratio {name}", f"{value:.3f}") for name, value in ratios.items()]
-    print(render_table(rows, ("figure", "value")))
+    ratios = ratios_of(RATIOS, figures, anchors)
+    inputs = {"file_mib": float(plan["bytes"] >> 20), "repeats": float(plan["repeats"])}
+    print(render_sections(figures, anchors, ratios, inputs))
     print("targets: write_vs_direct >= 0.6, read_vs_direct >= 0.6")
     if args.json:
-        write_report(args.json, figures=figures, ratios=ratios, anchors=anchors)
+        write_report(args.json, figures=figures, ratios=ratios, anchors=anchors, inputs=inputs)
 
 
 if __name__ == "__main__":

@@ -306,10 +306,23 @@ async def test_aclose_on_a_broken_transport_does_not_raise() -> None:
 
 
 async def test_aclose_on_a_failing_transport_before_the_handshake() -> None:
-    left, _right = trio.testing.memory_stream_pair()
+    left, right = trio.testing.memory_stream_pair()
     flaky = FailingStream(left)
     flaky.fail = True
     client = TLSStream(flaky, pinned_client_context(), server_side=False)
+    # The transport's own aclose raises here; ours must not.
+    await client.aclose()
+    # Nothing to say goodbye to before a handshake: the peer sees a plain EOF, no bytes, and
+    # the transport is closed all the same.
+    with pytest.raises(trio.ClosedResourceError):
+        await left.send_all(b"x")
+    with trio.fail_after(5):
+        assert await right.receive_some() == b""
+    # Our stream is closed, not broken, and closing it again is harmless.
+    with pytest.raises(trio.ClosedResourceError):
+        await client.send_all(b"x")
+    with pytest.raises(trio.ClosedResourceError):
+        await client.receive_some()
     await client.aclose()
 
 

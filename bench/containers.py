@@ -34,7 +34,7 @@ from agent.runtime.manager import ContainerManager, open_container_manager
 from agent.runtime.ocispec import write_bundle
 from agent.runtime.runc import remove_cgroup
 from bench.ingest import measure_ingest_vs_cp
-from bench.report import Results, ratios_of, render_sections, write_report
+from bench.report import Results, publish, ratios_of
 from sim.registry import busybox_image, push, running_registry
 
 QUICK = {"starts": 5, "ingest_bytes": 64 << 20, "ingest_repeats": 2}
@@ -193,16 +193,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "ingest_mib": float(plan["ingest_bytes"] >> 20),
         "ingest_repeats": float(plan["ingest_repeats"]),
     }
-    print(render_sections(results.figures, results.anchors, results.ratios, inputs))
-    print("targets: start_cached_vs_runc <= 1.5, ingest_vs_cp >= 0.7")
-    if args.json:
-        write_report(
-            args.json,
-            figures=results.figures,
-            ratios=results.ratios,
-            anchors=results.anchors,
-            inputs=inputs,
-        )
+    publish(
+        results,
+        inputs,
+        args.json,
+        target="targets: start_cached_vs_runc <= 1.5, ingest_vs_cp >= 0.7",
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import trio
 
 from agent.api.digests import DIGEST_PREFIX
 from agent.store.objects import ObjectStore
-from bench.report import Results, ratios_of, render_sections, write_report
+from bench.report import Results, publish, ratios_of
 
 STREAM_CHUNK_BYTES = 1024 * 1024
 """The chunks `ingest()` is fed: the size of the worker API's HTTP/2 frames."""
@@ -159,16 +159,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="levers9-bench-ingest-", dir="/var/tmp") as tmp:
         results = measure_ingest_vs_cp(Path(tmp), size_bytes=plan["bytes"], repeats=plan["repeats"])
     inputs = {"file_mib": float(plan["bytes"] >> 20), "repeats": float(plan["repeats"])}
-    print(render_sections(results.figures, results.anchors, results.ratios, inputs))
-    print("target: ingest_vs_cp >= 0.7")
-    if args.json:
-        write_report(
-            args.json,
-            figures=results.figures,
-            ratios=results.ratios,
-            anchors=results.anchors,
-            inputs=inputs,
-        )
+    publish(results, inputs, args.json, target="target: ingest_vs_cp >= 0.7")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ import attrs
 import trio
 import yaml
 
-from bench.report import Results, ratios_of, render_sections, write_report
+from bench.report import Results, publish, ratios_of
 from control.kube.adapter import LIST_PAGE, open_kube_client
 from control.kube.loop import PoolReconciler
 from control.kube.planner import (
@@ -409,16 +409,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="levers9-bench-reconcile-") as tmp:
         results, inputs = run_benchmark(QUICK if args.quick else FULL, Path(tmp))
-    print(render_sections(results.figures, results.anchors, results.ratios, inputs))
-    print("target: planner_cpu_s < 1 for 5,000 nodes and 100,000 pods")
-    if args.json:
-        write_report(
-            args.json,
-            figures=results.figures,
-            ratios=results.ratios,
-            anchors=results.anchors,
-            inputs=inputs,
-        )
+    publish(
+        results,
+        inputs,
+        args.json,
+        target="target: planner_cpu_s < 1 for 5,000 nodes and 100,000 pods",
+    )
 
 
 if __name__ == "__main__":

@@ -166,3 +166,24 @@ def write_report(
     partial = target.with_name(f".{target.name}.partial")
     partial.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     partial.replace(target)
+
+
+def publish(
+    results: Results,
+    inputs: Mapping[str, float],
+    json_path: str | os.PathLike[str] | None,
+    *,
+    target: str,
+) -> None:
+    """What a benchmark's `main` ends with: its sections as a table and its target line for
+    people, then the JSON report where `--json` asked for one."""
+    print(render_sections(results.figures, results.anchors, results.ratios, inputs))
+    print(target)
+    if json_path is not None:
+        write_report(
+            json_path,
+            figures=results.figures,
+            ratios=results.ratios,
+            anchors=results.anchors,
+            inputs=inputs,
+        )

@@ -12,16 +12,16 @@ tokens) are hidden from every repr.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import cattrs
 import yaml
-from cattrs.gen import make_dict_structure_fn, override
 
 from agent.api.models import GcsCredentials, S3Credentials
+from agent.wire.errors import camel_path, make_converter
 
 WORKSPACE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
@@ -181,30 +181,11 @@ def parse(values: Mapping[str, Any]) -> ControlConfig:
     return config
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part[:1].upper() + part[1:] for part in rest)
-
-
-def _make_converter() -> cattrs.Converter:
-    """The config's converter: camelCase keys (as the Helm values spell them), unknown keys
-    refused, so a misspelt setting is an error rather than a default silently kept."""
-    converter = cattrs.Converter(forbid_extra_keys=True)
-
-    def structure_factory(cls: type[Any]) -> Callable[[Any, Any], Any]:
-        overrides = {a.name: override(rename=_camel(a.name)) for a in attrs.fields(cls)}
-        return make_dict_structure_fn(
-            cls,
-            converter,
-            _cattrs_forbid_extra_keys=True,
-            **overrides,  # type: ignore[arg-type]
-        )
-
-    converter.register_structure_hook_factory(attrs.has, structure_factory)
-    return converter
-
-
-_CONVERTER = _make_converter()
+# The config's own converter, not the worker API's (`agent.wire.errors.CONVERTER`): the same
+# rules (camelCase keys as the Helm values spell them, unknown keys refused, so a misspelt
+# setting is an error rather than a default silently kept), a separate instance, so hooks one
+# boundary registers never change how the other reads.
+_CONVERTER = make_converter()
 
 
 def _structure(block: Mapping[str, Any]) -> ControlConfig:
@@ -216,7 +197,7 @@ def _structure(block: Mapping[str, Any]) -> ControlConfig:
         problems = cattrs.transform_error(exc, path="config")
         first = problems[0] if problems else f"invalid ({exc})"
         what, _, at = first.partition(" @ ")
-        where = ".".join(_camel(part) for part in at.split(".")) if at else "config"
+        where = camel_path(at) if at else "config"
         if len(problems) > 1:
             what += f" (and {len(problems) - 1} more problem(s))"
         raise ConfigError(f"{where}: {what}") from None

@@ -249,14 +249,24 @@ async def open_api_client(
     settings: Http2Settings | None = None,
     keepalive: KeepaliveConfig | None = None,
 ) -> AsyncIterator[C]:
-    """Run an HTTP/2 client connection over `transport` for the body of the `async with`."""
+    """Run an HTTP/2 client connection over `transport` for the body of the `async with`.
+
+    A connection that ends before it is ready raises `ConnectionLost` itself, not inside an
+    ExceptionGroup of this function's nursery, so callers retry it as they would any other."""
     conn = Http2Connection(
         transport, client_side=True, settings=settings, keepalive=keepalive, name=authority
     )
+    lost: ConnectionLost | None = None
     async with trio.open_nursery() as nursery:
-        await nursery.start(conn.run)
         try:
-            yield client_class(conn, token=token, authority=authority)
-        finally:
-            await conn.aclose()
-            nursery.cancel_scope.cancel()
+            await nursery.start(conn.run)
+        except ConnectionLost as exc:
+            lost = exc
+        else:
+            try:
+                yield client_class(conn, token=token, authority=authority)
+            finally:
+                await conn.aclose()
+                nursery.cancel_scope.cancel()
+    if lost is not None:
+        raise lost

@@ -888,7 +888,8 @@ async def open_http2_connection(
     handler: RequestHandler | None = None,
     name: str = "",
 ) -> AsyncIterator[Http2Connection]:
-    """Run a connection for the body of the `async with`; closed when it exits."""
+    """Run a connection for the body of the `async with`; closed when it exits. One that ends
+    before it is ready raises `ConnectionLost` itself (not inside an ExceptionGroup)."""
     conn = Http2Connection(
         transport,
         client_side=client_side,
@@ -897,13 +898,20 @@ async def open_http2_connection(
         handler=handler,
         name=name,
     )
+    lost: ConnectionLost | None = None
     async with trio.open_nursery() as nursery:
-        await nursery.start(conn.run)
         try:
-            yield conn
-        finally:
-            await conn.aclose()
-            nursery.cancel_scope.cancel()
+            await nursery.start(conn.run)
+        except ConnectionLost as exc:
+            lost = exc
+        else:
+            try:
+                yield conn
+            finally:
+                await conn.aclose()
+                nursery.cancel_scope.cancel()
+    if lost is not None:
+        raise lost
 
 
 __all__ = [

@@ -107,7 +107,7 @@ def structure(data: Any, cls: type[T]) -> T:
         problems = cattrs.transform_error(exc, path="body")
         first = problems[0] if problems else f"body is invalid ({exc})"
         what, _, where = first.partition(" @ ")
-        field = _camel_path(where.removeprefix("body").lstrip(".")) if where else ""
+        field = camel_path(where.removeprefix("body").lstrip(".")) if where else ""
         if field:
             message = f"field {field!r}: {what}"
         else:
@@ -117,7 +117,7 @@ def structure(data: Any, cls: type[T]) -> T:
         raise ApiError(ErrorCode.INVALID_ARGUMENT, message, field=field or None) from None
 
 
-def _camel_path(path: str) -> str:
+def camel_path(path: str) -> str:
     return ".".join(_camel(part) for part in path.split("."))
 
 

@@ -188,19 +188,25 @@ def parse(values: Mapping[str, Any]) -> ControlConfig:
 _CONVERTER = make_converter()
 
 
+_SHOWN_PROBLEMS = 5
+
+
 def _structure(block: Mapping[str, Any]) -> ControlConfig:
-    """The typed config, or a `ConfigError` naming the first bad field by its dotted path
+    """The typed config, or a `ConfigError` naming each bad field by its dotted path
     (`config.worker.tokens[0].token: required field missing`)."""
     try:
         return _CONVERTER.structure(dict(block), ControlConfig)
     except Exception as exc:
-        problems = cattrs.transform_error(exc, path="config")
-        first = problems[0] if problems else f"invalid ({exc})"
-        what, _, at = first.partition(" @ ")
-        where = camel_path(at) if at else "config"
-        if len(problems) > 1:
-            what += f" (and {len(problems) - 1} more problem(s))"
-        raise ConfigError(f"{where}: {what}") from None
+        problems = cattrs.transform_error(exc, path="config") or [f"invalid ({exc})"]
+        # Every problem is named (a misspelt key beside a missing one is the usual pair:
+        # showing only the first would hide the typo), up to a handful.
+        named = []
+        for problem in problems[:_SHOWN_PROBLEMS]:
+            what, _, at = problem.partition(" @ ")
+            named.append(f"{camel_path(at) if at else 'config'}: {what}")
+        if len(problems) > _SHOWN_PROBLEMS:
+            named.append(f"and {len(problems) - _SHOWN_PROBLEMS} more problem(s)")
+        raise ConfigError("; ".join(named)) from None
 
 
 def _validate(config: ControlConfig) -> None:

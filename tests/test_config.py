@@ -232,3 +232,13 @@ def test_agent_config_errors_name_the_variable(changes: dict[str, str], needle: 
         load_config(_env(**changes))
     assert needle in str(err.value)
     assert "agent-secret-token" not in str(err.value)
+
+
+def test_a_misspelt_key_is_named_beside_a_missing_one() -> None:
+    """The usual pair after a typo: the key that was meant is missing and the misspelt one is
+    extra. Both are named, so the typo is not hidden behind the first problem."""
+    with pytest.raises(ConfigError) as err:
+        parse({"config": {"listen": "127.0.0.1:0", "publicUrl": "https://x", "tsl": {}}})
+    message = str(err.value)
+    assert "config.tls: required field missing" in message
+    assert "extra fields found (tsl)" in message

@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
 	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone
 
-.PHONY: deps install test lint bench demo clean images-check
+.PHONY: deps install test test-shuffled lint bench demo clean images-check
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -36,6 +36,9 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 test: deps install
+	$(BIN)/pytest -q -p no:randomly
+
+test-shuffled: deps install
 	$(BIN)/pytest -q
 
 lint: install

@@ -298,6 +298,7 @@ def agent_environment(
         LEVERS9_REGISTER_INTERVAL_S="30",
         LEVERS9_LOG_LEVEL="WARNING",
         LEVERS9_CONTAINERS="off",
+        LEVERS9_LOOPBACK_CONNECT="on",  # the sink listens on the worker's loopback
     )
     return env
 

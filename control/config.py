@@ -21,7 +21,9 @@ import cattrs
 import yaml
 
 from agent.api.models import GcsCredentials, S3Credentials
+from agent.wire.admission import ConnectionLimits
 from agent.wire.errors import camel_path, make_converter
+from agent.wire.http2 import Http2Settings
 
 WORKSPACE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
@@ -96,6 +98,20 @@ class TunnelSettings:
     ping_interval_s: float = 15.0
     ping_timeout_s: float = 15.0
     handshake_timeout_s: float = 10.0
+    """The TLS handshake of every connection to the public endpoint, tunnel or API."""
+
+
+@attrs.frozen
+class ConnectionSettings:
+    """Limits on the public endpoint's connections (agent.wire.admission has why the defaults
+    are what they are): per source address and in total, then the time from the TLS handshake
+    to the first request, and how long one with no request open and no PING may stay (null:
+    as long as its peer keeps it)."""
+
+    max_per_source: int = ConnectionLimits().max_per_source
+    max_total: int = ConnectionLimits().max_total
+    first_request_timeout_s: float = ConnectionLimits().first_request_timeout_s
+    idle_timeout_s: float | None = ConnectionLimits().idle_timeout_s
 
 
 @attrs.frozen
@@ -129,6 +145,10 @@ class ControlConfig:
     worker: WorkerSettings = WorkerSettings()
     tunnel: TunnelSettings = TunnelSettings()
     database: DatabaseSettings = DatabaseSettings()
+    connections: ConnectionSettings = ConnectionSettings()
+    http2: Http2Settings = Http2Settings()
+    """Windows, frame sizes and flood limits of every HTTP/2 connection: the listener's, the
+    tunnels' and the dials of direct workers."""
     workspaces: tuple[WorkspaceConfig, ...] = ()
     joined_pools: JoinedPoolsSettings | None = None
 
@@ -191,13 +211,27 @@ _CONVERTER = make_converter()
 _SHOWN_PROBLEMS = 5
 
 
+def _describe_problem(exc: BaseException, type_: type | None) -> str:
+    """cattrs' words for a problem, except that a settings class's own check says what it
+    wants (`max_pings_per_window must be 0 or more, not -5`), not just "invalid value". Only
+    those: another ValueError's text may quote the value, which may be a secret."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if isinstance(exc, ValueError) and tb and tb.tb_frame.f_code.co_name == "__attrs_post_init__":
+        return str(exc)
+    return cattrs.v.format_exception(exc, type_)
+
+
 def _structure(block: Mapping[str, Any]) -> ControlConfig:
     """The typed config, or a `ConfigError` naming each bad field by its dotted path
     (`config.worker.tokens[0].token: required field missing`)."""
     try:
         return _CONVERTER.structure(dict(block), ControlConfig)
     except Exception as exc:
-        problems = cattrs.transform_error(exc, path="config") or [f"invalid ({exc})"]
+        problems = cattrs.transform_error(
+            exc, path="config", format_exception=_describe_problem
+        ) or [f"invalid ({exc})"]
         # Every problem is named (a misspelt key beside a missing one is the usual pair:
         # showing only the first would hide the typo), up to a handful.
         named = []
@@ -282,5 +316,19 @@ def _validate(config: ControlConfig) -> None:
             "config.joinedPools.inCluster: joined pools are kept as Secrets in the "
             "controlplane's own cluster; set inCluster: true or remove joinedPools"
         )
+    connections = config.connections
+    for key, number in (
+        ("maxPerSource", connections.max_per_source),
+        ("maxTotal", connections.max_total),
+    ):
+        if number < 1:
+            raise ConfigError(f"config.connections.{key} must be 1 or more, not {number}")
+    for key, seconds in (
+        ("connections.firstRequestTimeoutS", connections.first_request_timeout_s),
+        ("connections.idleTimeoutS", connections.idle_timeout_s),
+        ("tunnel.handshakeTimeoutS", config.tunnel.handshake_timeout_s),
+    ):
+        if seconds is not None and not seconds > 0:
+            raise ConfigError(f"config.{key} must be a number of seconds above 0, not {seconds}")
     if not config.database.path:
         raise ConfigError("config.database.path is empty; give the task database's file path")

@@ -21,9 +21,11 @@ log = logging.getLogger("levers9.control")
 async def serve_and_reload(paths: list[str], config: ControlConfig) -> None:
     """Serve; on SIGHUP read the values files again and apply their pools (a removed pool's
     workers are deleted). Other settings take effect at the next start."""
+    from agent.wire.admission import raise_open_files_limit
     from control.api.server import serve_controlplane
     from control.kube.pools import load_pools
 
+    raise_open_files_limit(config.connections.max_total)
     async with trio.open_nursery() as nursery:
         control = await nursery.start(serve_controlplane, config)
         with trio.open_signal_receiver(signal.SIGHUP) as hangups:

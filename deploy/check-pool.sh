@@ -383,7 +383,7 @@ start_running() {
 check_endpoint() {
     local what="endpoint" id url code version deadline
     start_running "$what" "the serving task ended" "; check --serve-cmd" \
-        --port 8080 "$SERVE_IMAGE" -- sh -c "$SERVE_CMD" || return 1
+        --port 8080 --port 9000 "$SERVE_IMAGE" -- sh -c "$SERVE_CMD" || return 1
     id="$TASK_ID"
     SERVER_ID="$id"
     url="${LEVERS9_CONTROLPLANE%/}/v1/tasks/$id/ports/8080/"

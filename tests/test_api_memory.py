@@ -24,7 +24,7 @@ async def client(nursery: trio.Nursery) -> AsyncIterator[WorkerClient]:
     service = Service(
         build_router(WorkerState("w-1", "direct")),
         authenticate=bearer_auth(TOKEN),
-        connect_policy=ConnectPolicy(),
+        connect_policy=ConnectPolicy(loopback=True),
     )
     conn = Http2Connection(server_side, client_side=False, handler=service)
     nursery.start_soon(conn.run)

@@ -190,7 +190,7 @@ class FakeControlplane:
         return router
 
     def service(self) -> Service:
-        def resolve(name: str) -> str:
+        def resolve(name: str, port: int) -> str:
             if name != "t-1":
                 raise ApiError(ErrorCode.NOT_FOUND, f"no task {name!r}")
             return "127.0.0.1"
@@ -402,8 +402,9 @@ def test_bad_command_lines_are_one_line_and_exit_2(capsys: pytest.CaptureFixture
 
 
 def test_missing_controlplane_or_token_says_what_to_set(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    monkeypatch.setenv("LEVERS9_CONFIG", str(tmp_path / "no-contexts"))
     monkeypatch.delenv("LEVERS9_CONTROLPLANE", raising=False)
     monkeypatch.delenv("LEVERS9_TOKEN", raising=False)
     assert main(["task", "list"]) == 1
@@ -841,3 +842,16 @@ async def test_port_of_an_ended_task_is_refused(
     assert capsys.readouterr().err == (
         "levers9: task t-1 has ended (succeeded); forward ports of a running task\n"
     )
+
+
+async def test_port_not_declared_by_the_task_is_refused_before_listening(
+    fake: FakeControlplane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.script = [view("running", ports=(8080,))]
+    assert await levers9(fake, "port", "t-1", "9000", "--local", "0") == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "levers9: task t-1 declares no port 9000 (its ports: 8080); only declared ports are "
+        "reachable: run the task with --port\n"
+    )
+    assert "forwarding" not in err

@@ -92,6 +92,16 @@ def test_merge_replaces_lists_and_merges_mappings() -> None:
             },
             "config.listen must be HOST:PORT",
         ),
+        (
+            {
+                "config": {
+                    "publicUrl": "https://x",
+                    "tls": {"certFile": "a", "keyFile": "b"},
+                    "http2": {"maxPingsPerWindow": -5},
+                }
+            },
+            "config.http2: max_pings_per_window must be 0 or more, not -5",
+        ),
     ],
 )
 def test_bad_values_name_the_field(values: dict[str, object], needle: str) -> None:
@@ -242,3 +252,19 @@ def test_a_misspelt_key_is_named_beside_a_missing_one() -> None:
     message = str(err.value)
     assert "config.tls: required field missing" in message
     assert "extra fields found (tsl)" in message
+
+
+def test_the_http2_flood_limits_come_from_the_values() -> None:
+    config = parse(
+        {
+            "config": {
+                "publicUrl": "https://x",
+                "tls": {"certFile": "a", "keyFile": "b"},
+                "http2": {"maxPingsPerWindow": 5, "floodWindowS": 2, "maxEmptyFramesPerWindow": 1},
+            }
+        }
+    )
+    assert config.http2.max_pings_per_window == 5
+    assert config.http2.flood_window_s == 2.0
+    assert config.http2.max_empty_frames_per_window == 1
+    assert config.http2.max_resets_per_window == 2000  # the rest keep their defaults

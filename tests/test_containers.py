@@ -52,6 +52,7 @@ from agent.wire.service import Service, bearer_auth
 from control.api.server import Controlplane, serve_controlplane
 from sim.configs import control_config, make_pki, read_line
 from sim.registry import Image, push_layer_tars
+from tests.leftovers import assert_nothing_left
 from tests.netns_hosts import open_test_host, policy_route, probe, serve
 from tests.workers import agent_config
 
@@ -92,14 +93,6 @@ async def run_to_end(manager: ContainerManager, spec: ContainerSpec) -> Containe
 
 async def logs_of(manager: ContainerManager, container_id: str) -> list[LogLine]:
     return [line async for line in manager.log_lines(container_id, follow=False)]
-
-
-async def assert_nothing_left(manager: ContainerManager, container_id: str) -> None:
-    assert container_id not in {s.id for s in await manager.runc.list()}
-    assert not [m for m in overlay_mounts_under(manager.root) if m.parent.name == container_id]
-    assert container_id not in {n.container_id for n in await manager.networking.existing()}
-    for hierarchy in Path("/sys/fs/cgroup").iterdir():
-        assert not (hierarchy / "levers9" / container_id).exists(), hierarchy
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -374,7 +367,7 @@ async def worker(manager: ContainerManager) -> AsyncIterator[WorkerClient]:
     service = Service(
         router,
         authenticate=bearer_auth(TOKEN),
-        resolve_name=lambda host: resolve_container(manager, host),
+        resolve_name=lambda host, port: resolve_container(manager, host, port),
     )
     server_side, client_side = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
@@ -462,6 +455,13 @@ async def test_a_port_is_reached_through_connect_and_not_from_the_node(
             if b"hello-from-web" in body:
                 break
             await trio.sleep(0.1)
+    # Only the ports the container declared.
+    with pytest.raises(ApiError) as undeclared:
+        await worker.connect_tcp("web", 7000)
+    assert undeclared.value.code is ErrorCode.PERMISSION_DENIED
+    assert undeclared.value.message == (
+        "container web declares ports 8080; CONNECT to 7000 is refused; add it to the task's ports"
+    )
     # Not published on the node's own addresses.
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", 8080)

@@ -88,7 +88,7 @@ async def test_endpoint_box_port_exec_and_snapshot_restore(
 ) -> None:
     async with cluster.client() as client:
         task = await client.create_task(
-            TaskRequest(image=registry.busybox, command=("sh", "-c", SERVER), ports=(8080,))
+            TaskRequest(image=registry.busybox, command=("sh", "-c", SERVER), ports=(8080, 9000))
         )
         with trio.fail_after(60):
             await wait_for_line(client, task.id, "ready")
@@ -100,10 +100,14 @@ async def test_endpoint_box_port_exec_and_snapshot_restore(
                 page = await response.read()
             assert page.startswith(b"hello from ")
             with pytest.raises(ApiError) as undeclared:
-                await client.call("GET", f"/v1/tasks/{task.id}/ports/9000/")
+                await client.call("GET", f"/v1/tasks/{task.id}/ports/7000/")
             assert undeclared.value.code is ErrorCode.NOT_FOUND
+            with pytest.raises(ApiError) as refused:
+                await client.connect_port(task.id, 7000)
+            assert refused.value.code is ErrorCode.PERMISSION_DENIED
+            assert "declares no port 7000 (its ports: 8080, 9000)" in refused.value.message
 
-            # A box port: a byte stream to any port of the task.
+            # A box port: a byte stream to a port the task declared.
             stream = await client.connect_port(task.id, 9000)
             payload = os.urandom(1 << 20)
             async with trio.open_nursery() as nursery:
@@ -237,7 +241,8 @@ async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
 
             # exec with stdin from a pipe, and a local port forwarded to the task's box port.
             echo = await cluster.cli(
-                "run", "--detach", registry.busybox, "--", "nc", "-ll", "-p", "9000", "-e", "cat"
+                "run", "--detach", "--port", "9000", registry.busybox,
+                "--", "nc", "-ll", "-p", "9000", "-e", "cat",
             )  # fmt: skip
             echo_id = echo.stdout.decode().strip()
             async with cluster.client() as client:

@@ -24,13 +24,14 @@ from hyperframe.frame import (
     GoAwayFrame,
     HeadersFrame,
     PingFrame,
+    PriorityFrame,
     SettingsFrame,
     WindowUpdateFrame,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.wire.http2 import Http2Protocol, Http2Settings, ProtocolViolation
+from agent.wire.http2 import HeaderListTooLarge, Http2Protocol, Http2Settings, ProtocolViolation
 
 ErrorCodes = h2.errors.ErrorCodes
 MiB = 1024 * 1024
@@ -308,26 +309,88 @@ def open_and_reset(wire: Wire) -> bytes:
     return wire.client.data_to_send()
 
 
+def open_stream(wire: Wire, stream_id: int = 1) -> None:
+    """Have the client open `stream_id` (request headers, no END_STREAM) at the server."""
+    if stream_id not in wire.server.h2.streams:
+        wire.client.h2.send_headers(stream_id, REQUEST)
+        wire.pump()
+
+
+def empty_data(wire: Wire) -> bytes:
+    open_stream(wire)
+    return DataFrame(1, data=b"").serialize()
+
+
+def padded_empty_data(wire: Wire) -> bytes:
+    open_stream(wire)
+    return DataFrame(1, data=b"", pad_length=20, flags=["PADDED"]).serialize()
+
+
+def empty_continuation(wire: Wire) -> bytes:
+    """An empty CONTINUATION of a header block that never ends (the first call opens it)."""
+    head = b""
+    if not getattr(wire, "block_open", False):
+        setattr(wire, "block_open", True)  # noqa: B010
+        head = HeadersFrame(1, data=encoded_headers(REQUEST)[:1]).serialize()
+    return head + ContinuationFrame(1, data=b"").serialize()
+
+
+def stream_window_update(wire: Wire) -> bytes:
+    open_stream(wire)
+    return WindowUpdateFrame(1, window_increment=1).serialize()
+
+
+def data_on_a_reset_stream(wire: Wire) -> bytes:
+    """One byte of DATA on a stream the client reset: h2 answers each with RST_STREAM."""
+    if 1 not in wire.server.h2.streams:
+        open_stream(wire)
+        wire.client.h2.reset_stream(1, ErrorCodes.CANCEL)
+        wire.pump()
+    return DataFrame(1, data=b"x").serialize()
+
+
 FLOODS = {
     "RST_STREAM": ("max_resets_per_window", open_and_reset),
     "PING": ("max_pings_per_window", lambda wire: ping(random.getrandbits(32))),
     "SETTINGS": ("max_settings_per_window", lambda wire: empty_settings()),
+    "PRIORITY": (
+        "max_priority_per_window",
+        lambda wire: PriorityFrame(3, depends_on=0, stream_weight=15).serialize(),
+    ),
+    "unknown-type": ("max_unknown_frames_per_window", lambda wire: frame_header(4, 0x20) + b"abcd"),
+    "empty DATA": ("max_empty_frames_per_window", empty_data),
+    "empty padded DATA": ("max_empty_frames_per_window", padded_empty_data),
+    "empty CONTINUATION": ("max_empty_frames_per_window", empty_continuation),
+    "connection WINDOW_UPDATE": (
+        "max_window_updates_per_window",
+        lambda wire: WindowUpdateFrame(0, window_increment=1).serialize(),
+    ),
+    "stream WINDOW_UPDATE": ("max_window_updates_per_window", stream_window_update),
+    "DATA on a reset stream": ("max_frames_on_closed_streams_per_window", data_on_a_reset_stream),
+}
+MESSAGES = {
+    "empty DATA": "empty",
+    "empty padded DATA": "empty",
+    "empty CONTINUATION": "empty",
+    "DATA on a reset stream": "closed streams",
 }
 
 
 @pytest.mark.parametrize("kind", FLOODS)
 def test_flood_is_answered_with_enhance_your_calm(kind: str) -> None:
     field, frame_bytes = FLOODS[kind]
-    limit = getattr(Http2Settings(), field)
-    wire = connected()
+    limit = 50
+    wire = connected(server_settings=flood_settings(**{field: limit}))
     server = wire.server
-    # The SETTINGS of the client's preface counts too.
-    allowed = limit - 1 if kind == "SETTINGS" else limit
+    # The SETTINGS and WINDOW_UPDATE of the client's preface count too.
+    allowed = limit - 1 if kind.rsplit(maxsplit=1)[-1] in ("SETTINGS", "WINDOW_UPDATE") else limit
     for _ in range(allowed):
         server.receive_data(frame_bytes(wire), now=1.0)
+    assert not server.closed
     server.data_to_send()  # the answers (PING ACKs, SETTINGS ACKs) to allowed frames
 
-    with pytest.raises(ProtocolViolation, match=kind) as err:
+    named = MESSAGES.get(kind, kind.rsplit(maxsplit=1)[-1])
+    with pytest.raises(ProtocolViolation, match=named) as err:
         server.receive_data(frame_bytes(wire), now=2.0)
     assert err.value.error_code == ErrorCodes.ENHANCE_YOUR_CALM
     goaway = goaway_in(server.data_to_send())
@@ -344,10 +407,62 @@ def test_the_same_frames_spread_over_time_are_fine(kind: str) -> None:
     server = wire.server
     # Three windows' worth at just under the limit each, with time passing between them.
     for window in range(1, 4):
-        for i in range(limit):
+        for i in range(limit - 1):
             server.receive_data(frame_bytes(wire), now=window * 10.5 + i * 0.01)
     assert not server.closed
     assert not any(isinstance(f, GoAwayFrame) for f in parse_frames(server.data_to_send()))
+
+
+def test_the_default_flood_limits_hold_too() -> None:
+    """The shipped limits are enforced as configured (every kind is tested at 50 above)."""
+    wire = connected()
+    limit = Http2Settings().max_pings_per_window
+    for n in range(limit):
+        wire.server.receive_data(ping(n), now=1.0)
+    with pytest.raises(ProtocolViolation, match="PING"):
+        wire.server.receive_data(ping(limit), now=1.0)
+
+
+def test_a_ping_flood_in_one_buffer_gets_no_answer_past_the_limit() -> None:
+    """PINGs arriving together are counted before h2 answers any: at most `limit` ACKs."""
+    limit = 200
+    wire = connected(server_settings=flood_settings(max_pings_per_window=limit))
+    server = wire.server
+    for n in range(limit - 10):
+        server.receive_data(ping(n), now=1.0)
+    with pytest.raises(ProtocolViolation, match="PING"):
+        server.receive_data(b"".join(ping(n) for n in range(5000)), now=1.0)
+    acks = [f for f in parse_frames(server.data_to_send()) if isinstance(f, PingFrame)]
+    assert len(acks) == limit - 10
+
+
+def test_window_updates_are_allowed_in_proportion_to_the_data_sent() -> None:
+    """A peer downloading a lot answers each DATA frame; that is not a flood."""
+    base = 10
+    wire = connected(server_settings=flood_settings(max_window_updates_per_window=base))
+    open_stream(wire)
+    server = wire.server
+    frames = 200
+    for _ in range(frames):
+        server.h2.send_data(1, b"x" * 100)
+    server.data_to_send()
+    for _ in range(base + 2 * frames - 1):  # the client's preface sent one
+        server.receive_data(WindowUpdateFrame(1, window_increment=1).serialize(), now=1.0)
+    assert not server.closed
+    with pytest.raises(ProtocolViolation, match="WINDOW_UPDATE"):
+        server.receive_data(WindowUpdateFrame(0, window_increment=1).serialize(), now=1.0)
+
+
+def test_an_empty_data_frame_that_ends_its_stream_is_not_counted() -> None:
+    wire = connected(server_settings=flood_settings(max_empty_frames_per_window=2))
+    events: list[h2.events.Event] = []
+    for sid in range(1, 21, 2):
+        open_stream(wire, sid)
+        events += wire.server.receive_data(
+            DataFrame(sid, data=b"", flags=["END_STREAM"]).serialize(), now=1.0
+        )
+    assert not wire.server.closed
+    assert sum(isinstance(e, h2.events.StreamEnded) for e in events) == 10
 
 
 def test_rapid_reset_streams_reach_the_server_before_the_limit() -> None:
@@ -570,3 +685,32 @@ def test_stream_in_flight_finishes_after_a_graceful_goaway(cuts: list[int]) -> N
             break
     assert got == {client: 3 * SMALL.stream_window_bytes, server: 3 * SMALL.stream_window_bytes}
     assert not client.closed and not server.closed
+
+
+# -- headers we send --
+
+
+def test_long_header_values_go_out_as_plain_literals_and_arrive_intact() -> None:
+    """hpack's Huffman coder is quadratic in a value's length; long values skip it."""
+    wire = connected()
+    value = b"a" * 40_000
+    wire.client.h2.send_headers(1, [*REQUEST, (b"x-long", value)], end_stream=True)
+    block = wire.client.data_to_send()
+    assert value in block
+    events = wire.server.receive_data(block, now=0.0)
+    request = next(e for e in events if isinstance(e, h2.events.RequestReceived))
+    assert (b"x-long", value) in list(request.headers or [])
+
+
+def test_headers_over_the_peers_limit_are_refused_before_anything_is_sent() -> None:
+    wire = connected()
+    limit = Http2Settings().max_header_list_bytes
+    with pytest.raises(HeaderListTooLarge, match=f"over the {limit} bytes"):
+        wire.client.h2.send_headers(1, [*REQUEST, (b"x-big", b"a" * limit)])
+    assert wire.client.data_to_send() == b""
+    assert 1 not in wire.client.h2.streams
+    # The HPACK state on both sides is still in step: the next request arrives whole.
+    wire.client.h2.send_headers(1, [*REQUEST, (b"x-small", b"b")], end_stream=True)
+    events = wire.server.receive_data(wire.client.data_to_send(), now=0.0)
+    request = next(e for e in events if isinstance(e, h2.events.RequestReceived))
+    assert (b"x-small", b"b") in list(request.headers or [])

@@ -65,7 +65,8 @@ async def worker(
     request: pytest.FixtureRequest, pki: Pki, control: Controlplane, nursery: trio.Nursery
 ) -> AsyncIterator[tuple[Controlplane, str]]:
     mode = request.param
-    await start_agent(nursery, pki, control, mode)
+    # The CONNECT tests reach a service of their own on the worker's loopback.
+    await start_agent(nursery, pki, control, mode, loopback_connect=True)
     yield control, f"w-{mode}"
 
 
@@ -247,7 +248,7 @@ async def test_malformed_frames_close_only_that_connection(
 async def test_tunnel_max_age_drains_in_flight_streams(
     pki: Pki, control: Controlplane, nursery: trio.Nursery
 ) -> None:
-    await start_agent(nursery, pki, control, "tunnel", max_age_s=1.0)
+    await start_agent(nursery, pki, control, "tunnel", max_age_s=1.0, loopback_connect=True)
     port = await open_hash_service(nursery)
     first = await client(control, "w-tunnel")
     stream = await first.connect_tcp("127.0.0.1", port)

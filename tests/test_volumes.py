@@ -61,6 +61,7 @@ from agent.wire.errors import ErrorCode
 from sim.configs import read_line
 from sim.registry import free_port
 from sim.s3 import S3Server, S3User, s3_credentials
+from tests.leftovers import force_clean, mounts_under, rclones_under
 
 pytest_plugins = ["tests.s3_fixtures"]
 
@@ -451,30 +452,6 @@ class Harness:
                     if words in message:
                         return message
                 await trio.sleep(0.02)
-
-
-def mounts_under(root: Path) -> list[Path]:
-    with open("/proc/self/mountinfo", encoding="utf-8") as file:
-        entries = parse_mountinfo(file.read())
-    return [entry.mount_point for entry in entries if root in entry.mount_point.parents]
-
-
-def rclones_under(root: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info.get("cmdline") or []
-        named = cmdline[:1] and os.path.basename(cmdline[0]) == "rclone"
-        if named and any(str(root) in arg for arg in cmdline):
-            found.append(process)
-    return found
-
-
-def force_clean(root: Path) -> None:
-    """Whatever a broken test left: detach mounts under `root`, kill its rclone processes."""
-    for point in sorted(mounts_under(root), key=lambda p: -len(p.parts)):
-        subprocess.run(["umount", "-l", str(point)], capture_output=True, check=False)
-    for process in rclones_under(root):
-        process.kill()
 
 
 @pytest.fixture

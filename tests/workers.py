@@ -16,6 +16,7 @@ def agent_config(
     token: str | None = None,
     max_age_s: float = 3600.0,
     ping_interval_s: float = 15.0,
+    loopback_connect: bool = False,
 ) -> AgentConfig:
     worker_id = worker_id or f"w-{mode}"
     return AgentConfig(
@@ -36,4 +37,5 @@ def agent_config(
             backoff_cap_s=0.5,
             backoff_stable_s=2.0,
         ),
+        loopback_connect=loopback_connect,
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 import attrs
 
 from agent.runtime.config import ContainerConfig
+from agent.wire.admission import DEFAULT_IDLE_TIMEOUT_S, ConnectionLimits
 from agent.wire.connection import KeepaliveConfig
 from agent.wire.http2 import Http2Settings
 
@@ -69,6 +70,15 @@ class AgentConfig:
     node: str | None = None
     register_interval_s: float = 30.0
     handshake_timeout_s: float = 10.0
+    connections: ConnectionLimits = attrs.field(
+        default=attrs.Factory(
+            lambda self: ConnectionLimits(handshake_timeout_s=self.handshake_timeout_s),
+            takes_self=True,
+        )
+    )
+    """The direct listener's limits; its TLS handshake timeout is `handshake_timeout_s`'s unless
+    given (LEVERS9_MAX_CONNECTIONS_PER_SOURCE, LEVERS9_MAX_CONNECTIONS,
+    LEVERS9_FIRST_REQUEST_TIMEOUT_S, LEVERS9_CONNECTION_IDLE_TIMEOUT_S)."""
     keepalive: KeepaliveConfig = KeepaliveConfig()
     http2: Http2Settings = Http2Settings()
     tunnel: TunnelConfig = TunnelConfig()
@@ -76,6 +86,9 @@ class AgentConfig:
     """None: this agent runs no containers (LEVERS9_CONTAINERS=off)."""
     idle_s: float | None = None
     """With containers: end cleanly after this long without one (LEVERS9_IDLE_S)."""
+    loopback_connect: bool = False
+    """Plain CONNECT to the worker's loopback addresses (LEVERS9_LOOPBACK_CONNECT=on); off,
+    only containers' declared ports: with hostNetwork the loopback is the node's."""
 
     @property
     def controlplane_host(self) -> str:
@@ -114,7 +127,8 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
+def _whole(env: Mapping[str, str], name: str, default: int, *, minimum: int, unit: str) -> int:
+    """A whole number of `unit` (" of bytes", or "") from the environment, at least `minimum`."""
     raw = env.get(ENV_PREFIX + name)
     if raw is None or raw == "":
         return default
@@ -122,11 +136,44 @@ def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise ConfigError(
-            ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be a whole number of bytes, not {raw!r}"
+            ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be a whole number{unit}, not {raw!r}"
         ) from None
-    if value < 0:
-        raise ConfigError(ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be 0 or more, not {raw!r}")
+    if value < minimum:
+        raise ConfigError(
+            ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be {minimum} or more, not {raw!r}"
+        )
     return value
+
+
+def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    return _whole(env, name, default, minimum=0, unit=" of bytes")
+
+
+def _on_off(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(ENV_PREFIX + name) or ("on" if default else "off")
+    if raw.lower() not in ("on", "off"):
+        raise ConfigError(
+            ENV_PREFIX + name, f"{ENV_PREFIX}{name} must be 'on' or 'off', not {raw!r}"
+        )
+    return raw.lower() == "on"
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    return _whole(env, name, default, minimum=1, unit="")
+
+
+def load_connection_limits(env: Mapping[str, str]) -> ConnectionLimits:
+    """The direct listener's limits (agent.wire.admission has why the defaults are what they
+    are)."""
+    default = ConnectionLimits()
+    return ConnectionLimits(
+        max_per_source=_count(env, "MAX_CONNECTIONS_PER_SOURCE", default.max_per_source),
+        max_total=_count(env, "MAX_CONNECTIONS", default.max_total),
+        first_request_timeout_s=_number(
+            env, "FIRST_REQUEST_TIMEOUT_S", default.first_request_timeout_s
+        ),
+        idle_timeout_s=_number(env, "CONNECTION_IDLE_TIMEOUT_S", DEFAULT_IDLE_TIMEOUT_S),
+    )
 
 
 def _existing_file(env: Mapping[str, str], name: str) -> str | None:
@@ -233,6 +280,7 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
         advertise_host=env.get(ENV_PREFIX + "ADVERTISE_HOST") or None,
         node=env.get(ENV_PREFIX + "NODE_NAME") or None,
         register_interval_s=_number(env, "REGISTER_INTERVAL_S", 30.0),
+        connections=load_connection_limits(env),
         keepalive=KeepaliveConfig(
             ping_interval_s=_number(env, "PING_INTERVAL_S", 15.0),
             ping_timeout_s=_number(env, "PING_TIMEOUT_S", 15.0),
@@ -244,4 +292,5 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
         ),
         containers=load_container_config(env),
         idle_s=_number(env, "IDLE_S", 0.0) if env.get(ENV_PREFIX + "IDLE_S") else None,
+        loopback_connect=_on_off(env, "LOOPBACK_CONNECT", False),
     )

@@ -1,5 +1,9 @@
 """Direct mode: a TLS listener on the node's address with a certificate made at start, whose
 fingerprint the controlplane pins.
+
+Every accepted connection is first counted against `config.connections` (per source address
+and in total) and closed at once, before any TLS, when over a limit; an admitted one has
+`handshake_timeout_s` for TLS and `first_request_timeout_s` for its first request.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import logging
 import trio
 
 from agent.daemon.config import AgentConfig
+from agent.wire.admission import Admissions, ConnectionLog, Refusal, source_address
 from agent.wire.connection import ConnectionLost, Http2Connection
 from agent.wire.service import Service
 from agent.wire.tls import (
@@ -26,54 +31,83 @@ async def serve_direct(
     service: Service,
     cert_key: CertKey,
     *,
+    admissions: Admissions | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """TLS listener; every accepted connection is one HTTP/2 connection to the service."""
+    """TLS listener; every accepted connection is one HTTP/2 connection to the service.
+    `admissions` counts the open connections (one made from `config.connections` if None)."""
+    limits = config.connections
+    gate = Admissions(limits) if admissions is None else admissions
+    fields: dict[str, object] = {"worker": config.worker_id, "node": config.node}
+    early = ConnectionLog(fields)
     context = server_context(cert_key, alpn=("h2",))
     listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
     port = int(listeners[0].socket.getsockname()[1])
 
     async def handle(tcp: trio.SocketStream) -> None:
+        # Nothing awaits before the decision: a refused connection costs an accept and a close.
+        source = _source(tcp)
+        admission = gate.admit(source)
+        if isinstance(admission, Refusal):
+            early.refused(admission, trio.current_time())
+            await tcp.aclose()
+            return
+        try:
+            await serve_one(tcp, source)
+        finally:
+            gate.release(admission)
+
+    async def serve_one(tcp: trio.SocketStream, source: str) -> None:
         peer = _peer(tcp)
         tls = TLSStream(tcp, context, server_side=True)
         try:
-            with trio.fail_after(config.handshake_timeout_s):
+            with trio.fail_after(limits.handshake_timeout_s):
                 await tls.do_handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as exc:
             reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
-            log.warning(
-                "TLS handshake from %s failed: %s",
-                peer,
-                reason,
-                extra={"worker": config.worker_id, "peer": peer, "reason": reason},
-            )
+            early.failed(peer, source, f"TLS handshake failed: {reason}", trio.current_time())
             await tls.aclose()
             return
         if tls.selected_alpn_protocol() != "h2":
-            log.warning(
-                "connection from %s did not negotiate h2; closing",
-                peer,
-                extra={"worker": config.worker_id, "peer": peer},
-            )
+            early.failed(peer, source, "it did not negotiate h2", trio.current_time())
             await tls.aclose()
             return
         conn = Http2Connection(
-            tls, client_side=False, settings=config.http2, handler=service, name=peer
+            tls,
+            client_side=False,
+            settings=config.http2,
+            handler=service,
+            name=peer,
+            first_request_timeout_s=limits.first_request_timeout_s,
+            idle_timeout_s=limits.idle_timeout_s,
         )
         with contextlib.suppress(ConnectionLost):
             # Gone before it was ready (reset right after the handshake): nothing to serve.
             await conn.run()
-        if conn.close_reason and not conn.closed_by_peer:
-            log.info(
-                "connection from %s closed: %s",
-                peer,
-                conn.close_reason,
-                extra={"worker": config.worker_id, "peer": peer, "reason": conn.close_reason},
-            )
+        if not conn.close_reason or conn.closed_by_peer:
+            return
+        if conn.statistics().streams_opened == 0:
+            early.failed(peer, source, conn.close_reason, trio.current_time())
+            return
+        log.info(
+            "connection from %s closed: %s",
+            peer,
+            conn.close_reason,
+            extra={**fields, "peer": peer, "reason": conn.close_reason},
+        )
 
     async with trio.open_nursery() as nursery:
+        # serve_listeners runs each connection in a task of its own, so the accept loop never
+        # waits on a handshake; on EMFILE it logs, sleeps and accepts again.
         await nursery.start(trio.serve_listeners, handle, listeners)
         task_status.started(port)
+
+
+def _source(stream: trio.SocketStream) -> str:
+    try:
+        return source_address(stream.socket.getpeername())
+    except OSError:
+        return "unknown"
 
 
 def _peer(stream: trio.SocketStream) -> str:

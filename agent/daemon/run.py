@@ -64,7 +64,9 @@ def build_service(
     return Service(
         router,
         authenticate=bearer_auth(config.token),
-        connect_policy=ConnectPolicy(),
+        connect_policy=ConnectPolicy(
+            loopback=config.loopback_connect, setting="LEVERS9_LOOPBACK_CONNECT=on"
+        ),
         resolve_name=resolve_name,
         name=f"worker {config.worker_id}",
     )
@@ -74,6 +76,9 @@ async def run_agent(
     config: AgentConfig, *, task_status: trio.TaskStatus[int | None] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve until cancelled. `started()` gives the direct listener's port (None in tunnel)."""
+    from agent.wire.admission import raise_open_files_limit
+
+    raise_open_files_limit(config.connections.max_total)
     state = WorkerState(worker_id=config.worker_id, mode=config.mode, node=config.node)
     root = logging.getLogger()
     root.addHandler(state.logs)

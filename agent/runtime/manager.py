@@ -11,6 +11,31 @@ shim's exit file and the runc state say what is still there).
 The container's stdio and exit status belong to the shim, not to the agent, so a container
 outlives an agent that is killed and is re-adopted, logs and all, by the next one. A record
 never holds a secret: registry credentials are used for the pull and dropped.
+
+Shutdown always ends. SIGTERM cancels the daemon's main task (`agent.wire.signals`), and the
+exit of `open_container_manager` stops every container, then the bucket mounts, then the
+network rules, each part under a deadline counted from the start of the shutdown
+(`ShutdownBudget`, defaults in brackets), so the agent is done well inside the worker Job's
+60 s termination grace (`control.kube.planner.TERMINATION_GRACE_S`) whatever a container, runc
+or rclone does:
+
+- [0-15 s] every container gets SIGTERM and its own stop grace, at most `stop_grace_max_s`;
+- [+10 s] then SIGKILL to all its processes and `kill_wait_s` for the shim to record the exit.
+  A container still running after that is left as it is, `stopping` on disk, with an event on
+  its record saying so; the next agent's recovery kills it and cleans up after it;
+- [+15 s] a container that ended gives everything back; its bucket mounts' pending uploads get
+  `final_upload_s`, and what is still pending then is named (warning and event) and not
+  waited for;
+- [40 s] `containers_s` cuts all of that, whatever it is waiting for (a runc call that hangs is
+  killed after `runc_call_s` and eats into it);
+- [45 s] `volumes_s`: every bucket mount is unmounted and its rclone stopped (a mount still held
+  by a container left running first drains what it can, keeping time for the unmount; a mount
+  that could not be unmounted is swept by the next agent);
+- [50 s] `total_s`: network rules and registry connections are gone; 10 s remain for the
+  process to exit.
+
+Every shielded cleanup here has a deadline: `_cleanup_scope` gives it one, and the shutdown
+lowers the deadline of those running when it starts.
 """
 
 from __future__ import annotations
@@ -18,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import shutil
 import signal
@@ -27,6 +53,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Iterator,
     Sequence,
 )
 from pathlib import Path
@@ -91,6 +118,41 @@ from agent.wire.errors import ApiError, ErrorCode, dumps, loads
 log = logging.getLogger("levers9.containers")
 SNAPSHOT_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar"
 SNAPSHOT_OWNER = "snapshots"
+TEARDOWN_MAX_S = math.inf
+"""Outside a shutdown, how long a container that ended may take to give everything back. No
+limit: what takes long is its bucket mounts' pending uploads (a checkpoint of tens of GB to a
+slow store), and cutting them would lose the data; every other step is bounded on its own
+(`runc_call_s`, `CLEANUP_STEP_S`). A shutdown lowers the deadline of a teardown in progress to
+its budget (`_limit_cleanups`), and what did not finish by then is named on the record."""
+CLEANUP_STEP_S = 15.0
+"""One cleanup step that runs short commands of its own (a half-made network's removal, which
+bounds each of its `ip` calls)."""
+STILL_RUNNING = "still running after SIGKILL; left for the next agent's recovery"
+
+
+@attrs.frozen
+class ShutdownBudget:
+    """How long each part of the agent's shutdown may take, in seconds (see the module
+    docstring). `stop_grace_max_s`, `kill_wait_s`, `runc_call_s` and `final_upload_s` bound one
+    step each; `containers_s`, `volumes_s` and `total_s` are deadlines counted from the start of
+    the shutdown. The defaults fit the worker Job's 60 s grace with 10 s to spare."""
+
+    stop_grace_max_s: float = 15.0
+    """A container's own stop grace (SIGTERM to SIGKILL), at most this at shutdown."""
+    kill_wait_s: float = 10.0
+    """After SIGKILL, how long the shim may take to record the container's exit (in every
+    stop, not only the shutdown's)."""
+    runc_call_s: float = 5.0
+    """Each runc call that stops or cleans up a container (kill, delete); a hung one is killed.
+    Also in every stop and cleanup."""
+    final_upload_s: float = 15.0
+    """A stopped container's bucket mounts' pending uploads."""
+    containers_s: float = 40.0
+    """Every container stopped and, where it ended, cleaned up."""
+    volumes_s: float = 45.0
+    """Every bucket mount unmounted and its rclone stopped."""
+    total_s: float = 50.0
+    """Everything given back: network rules, registry connections, the object store."""
 
 
 class ContainerManager:
@@ -109,9 +171,11 @@ class ContainerManager:
         nursery: trio.Nursery,
         gpus: Gpus | None = None,
         volumes: Volumes | None = None,
+        shutdown_budget: ShutdownBudget | None = None,
     ) -> None:
         self.config = config
         self.volumes = volumes
+        self.shutdown_budget = shutdown_budget or ShutdownBudget()
         self.store = store
         self.puller = puller
         self.layers = layers
@@ -125,6 +189,9 @@ class ContainerManager:
         self.root = config.state_dir / "containers"
         self.snapshots_dir = config.state_dir / "snapshots"
         self.problems: list[str] = []
+        self._shutdown_deadline = math.inf
+        """Set when the shutdown starts: no cleanup runs past it."""
+        self._cleanups: set[trio.CancelScope] = set()
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -139,8 +206,19 @@ class ContainerManager:
     def all(self) -> list[Container]:
         return sorted(self._containers.values(), key=lambda c: c.record.created_at)
 
-    def address_of(self, container_id: str) -> str:
+    def address_of(self, container_id: str, port: int) -> str:
+        """The address to dial for `port` of a running container: only a port it declared
+        (`ContainerSpec.ports`) is reached, never whatever else listens inside."""
         container = self.get(container_id)
+        declared = container.record.spec.ports
+        if port not in declared:
+            ports = f"ports {', '.join(map(str, declared))}" if declared else "no ports"
+            raise ApiError(
+                ErrorCode.PERMISSION_DENIED,
+                f"container {container_id} declares {ports}; CONNECT to {port} is refused; "
+                "add it to the task's ports",
+                field=":authority",
+            )
         net = container.record.network
         if container.state is not ContainerState.RUNNING or net is None:
             raise ApiError(
@@ -251,7 +329,7 @@ class ContainerManager:
             runtime = await self._prepare_rootfs(container, credentials, binds, lap)
             network = await making.result()
         finally:
-            with trio.CancelScope(shield=True):
+            with self._cleanup_scope(CLEANUP_STEP_S):
                 await making.cancel_and_wait()
         directory = container.directory
 
@@ -451,6 +529,26 @@ class ContainerManager:
 
     # -- running and ending ----------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _cleanup_scope(self, seconds: float) -> Iterator[trio.CancelScope]:
+        """A shielded scope for cleanup: the caller's cancellation does not cut it short, but
+        `seconds` do, and so does the shutdown's deadline (also one set while it runs)."""
+        scope = trio.CancelScope(
+            shield=True, deadline=min(trio.current_time() + seconds, self._shutdown_deadline)
+        )
+        self._cleanups.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._cleanups.discard(scope)
+
+    def _limit_cleanups(self, deadline: float) -> None:
+        """No cleanup, running or to come, lasts past `deadline` (the shutdown's)."""
+        self._shutdown_deadline = min(self._shutdown_deadline, deadline)
+        for scope in self._cleanups:
+            scope.deadline = min(scope.deadline, self._shutdown_deadline)
+
     async def _watch(self, container: Container) -> None:
         """Wait for the container to end, then give back what it held."""
         status: ExitStatus | None
@@ -461,6 +559,7 @@ class ContainerManager:
         await self._finish(container, status)
 
     async def _finish(self, container: Container, status: ExitStatus | None) -> None:
+        container.exited.set()
         oom = await trio.to_thread.run_sync(oom_killed, container.cgroups_path)
         if status is None:
             await self._fail(
@@ -470,8 +569,7 @@ class ContainerManager:
                 oom_killed=oom,
             )
             return
-        with trio.CancelScope(shield=True):
-            await self._teardown(container)
+        await self._give_back(container)
         self._update(
             container,
             state=ContainerState.EXITED,
@@ -501,10 +599,9 @@ class ContainerManager:
         still run; give back everything it held; record why (`reason`, `code`); wake whoever
         waits for it to settle or end."""
         if kill:
-            with contextlib.suppress(ApiError):
-                await self.runc.kill(container.id, signal.SIGKILL, all_processes=True)
-        with trio.CancelScope(shield=True):
-            await self._teardown(container)
+            await self._runc_kill(container.id, signal.SIGKILL)
+        container.exited.set()
+        await self._give_back(container)
         self._update(
             container,
             state=ContainerState.FAILED,
@@ -522,6 +619,17 @@ class ContainerManager:
         container.settled.set()
         container.finished.set()
 
+    async def _give_back(self, container: Container) -> None:
+        """`_teardown`, shielded and bounded: a cut one says so on the record."""
+        with self._cleanup_scope(TEARDOWN_MAX_S) as scope:
+            await self._teardown(container)
+        if scope.cancelled_caught:
+            self._event(
+                container,
+                "its cleanup did not finish in time; what is left of it is removed by the next "
+                "agent's recovery",
+            )
+
     async def _teardown(self, container: Container) -> None:
         """Give back every runtime resource the container may hold. Idempotent: each step
         checks what is there, so it serves failed creations, exits and recovery alike."""
@@ -536,10 +644,14 @@ class ContainerManager:
             except Exception as exc:
                 problems.append(f"{what}: {exc}")
 
-        try:
-            await self.runc.delete(cid, force=True)
-        except Exception as exc:
-            problems.append(f"runc delete: {exc}")
+        runc_call_s = self.shutdown_budget.runc_call_s
+        with trio.move_on_after(runc_call_s) as deleting:
+            try:
+                await self.runc.delete(cid, force=True)
+            except Exception as exc:
+                problems.append(f"runc delete: {exc}")
+        if deleting.cancelled_caught:
+            problems.append(f"runc delete did not finish within {runc_call_s:g} s")
         await step("cgroup", remove_cgroup, container.cgroups_path)
         rootfs = container.directory / "rootfs"
         await step("unmount", unmount, rootfs)
@@ -548,17 +660,28 @@ class ContainerManager:
             self.gpus.ledger.release(cid)
         if self.volumes is not None:
             # After the container is gone: waits for its uploads, unmounts what no one holds.
-            try:
-                failed = await self.volumes.release(cid)
-            except Exception as exc:
-                failed = [f"releasing its buckets failed: {exc}"]
+            # At shutdown the uploads get `final_upload_s`; the volumes name (event and warning)
+            # what was still pending when the wait was cut.
+            upload_s = TEARDOWN_MAX_S
+            if self._shutdown_deadline < math.inf:
+                upload_s = self.shutdown_budget.final_upload_s
+            failed: list[str] = []
+            with trio.move_on_after(upload_s):
+                try:
+                    failed = await self.volumes.release(cid)
+                except Exception as exc:
+                    failed = [f"releasing its buckets failed: {exc}"]
             for message in failed:
                 self._event(container, message)
         for problem in problems:
             log.warning("container %s cleanup: %s", cid, problem, extra={"container": cid})
 
     async def stop(self, container_id: str, *, grace_s: float | None = None) -> Container:
-        """SIGTERM, then SIGKILL to every process after the grace period; waits for the end."""
+        """SIGTERM, then SIGKILL to every process after the grace period; waits for the end.
+
+        A container whose processes are still there `kill_wait_s` after SIGKILL (runc hangs,
+        a process stuck in the kernel) is left `stopping`, with an event saying so: this
+        returns, and the container is cleaned up when it does end (or by the next agent)."""
         container = self.get(container_id)
         grace = container.record.spec.stop_grace_s if grace_s is None else grace_s
         if not container.settled.is_set():
@@ -568,20 +691,52 @@ class ContainerManager:
         if container.state.finished:
             return container
         self._update(container, state=ContainerState.STOPPING)
-        with contextlib.suppress(ApiError):
-            await self.runc.kill(container_id, signal.SIGTERM)
+        await self._runc_kill(container_id, signal.SIGTERM)
         with trio.move_on_after(grace):
-            await container.finished.wait()
-        if not container.finished.is_set():
-            with contextlib.suppress(ApiError):
-                await self.runc.kill(container_id, signal.SIGKILL, all_processes=True)
-            await container.finished.wait()
+            await container.exited.wait()
+        if not container.exited.is_set():
+            await self._runc_kill(container_id, signal.SIGKILL)
+            with trio.move_on_after(self.shutdown_budget.kill_wait_s):
+                await container.exited.wait()
+        if not container.exited.is_set():
+            if self._shutdown_deadline < math.inf:
+                self._event(container, STILL_RUNNING)
+            else:
+                self._event(container, "still running after SIGKILL; cleaned up once it ends")
+            return container
+        # It ended: what it held comes back under the teardown's own deadlines.
+        await container.finished.wait()
         return container
+
+    async def _runc_kill(self, container_id: str, signum: int) -> None:
+        """Signal the container (SIGKILL: every process of it); bounded, as runc may hang."""
+        runc_call_s = self.shutdown_budget.runc_call_s
+        with trio.move_on_after(runc_call_s) as scope:
+            with contextlib.suppress(ApiError):
+                await self.runc.kill(container_id, signum, all_processes=signum == signal.SIGKILL)
+        if scope.cancelled_caught:
+            log.warning(
+                "container %s: runc kill did not answer within %g s",
+                container_id,
+                runc_call_s,
+                extra={
+                    "container": container_id,
+                    "signal": signal.Signals(signum).name,
+                    "duration_s": runc_call_s,
+                },
+            )
 
     async def delete(self, container_id: str) -> None:
         """Stop the container if needed, then remove everything of it: files, pins, record."""
         container = self.get(container_id)
         await self.stop(container_id)
+        if not container.finished.is_set():
+            # Its record is what lets this agent (or the next) clean up after it.
+            raise ApiError(
+                ErrorCode.UNAVAILABLE,
+                f"container {container_id} is still running after SIGKILL; delete it again "
+                "once it has ended",
+            )
         self.store.unpin_owner(container_id)
         self._containers.pop(container_id, None)
         await trio.to_thread.run_sync(
@@ -780,7 +935,7 @@ class ContainerManager:
             )
             with contextlib.suppress(ApiError):
                 await self.runc.delete(cid, force=True)
-            remove_cgroup(f"/levers9/{cid}")
+                remove_cgroup(f"/levers9/{cid}")
         for mount in stray_mounts:
             log.warning(
                 "unmounting %s that no running container owns",
@@ -816,6 +971,7 @@ class ContainerManager:
         `_settle_cards` has given it its cards back."""
         record = container.record
         if record.state.finished:
+            container.exited.set()
             container.finished.set()
             return False
         exit_status = read_exit(container.directory / "exit.json")
@@ -828,6 +984,24 @@ class ContainerManager:
                 extra={"container": record.id},
             )
             await self._finish(container, exit_status)
+            return False
+        if alive and record.state is ContainerState.STOPPING:
+            # The previous agent was stopping it when its shutdown ran out of time: finish the
+            # stop. It is watched like any other, so it ends `exited` (137) and is cleaned up.
+            log.info(
+                "container %s: still running after the previous agent stopped it; killing it",
+                record.id,
+                extra={"container": record.id},
+            )
+            await self._runc_kill(record.id, signal.SIGKILL)
+            if running_shim(container.directory / "exit.json") is not None:
+                return True
+            await self._fail(
+                container,
+                ErrorCode.UNAVAILABLE,
+                "killed after an agent restart: the previous agent's stop did not end it",
+                kill=True,
+            )
             return False
         if alive and record.spec.volumes:
             # Bucket credentials are held in memory only: the new agent cannot remount or
@@ -905,16 +1079,43 @@ class ContainerManager:
                 extra={"objects_evicted": len(evicted), "layers_removed": len(removed)},
             )
 
-    async def shutdown(self) -> None:
-        """Stop every container (the worker is going away)."""
-        async with trio.open_nursery() as nursery:
-            for container in list(self._containers.values()):
-                if not container.state.finished:
-                    nursery.start_soon(self._stop_quietly, container.id)
+    async def shutdown(self, *, started_at: float | None = None) -> None:
+        """Stop every container (the worker is going away), all at once, within the budget
+        counted from `started_at` (trio time; now by default): each gets its own stop grace up
+        to `stop_grace_max_s`, then SIGKILL; what still runs after that is left (an event on
+        its record says so) and the next agent's recovery ends it."""
+        budget = self.shutdown_budget
+        start = trio.current_time() if started_at is None else started_at
+        self._limit_cleanups(start + budget.containers_s)
+        to_stop = [c for c in self._containers.values() if not c.state.finished]
+        with trio.move_on_at(start + budget.containers_s):
+            async with trio.open_nursery() as nursery:
+                for container in to_stop:
+                    grace = min(container.record.spec.stop_grace_s, budget.stop_grace_max_s)
+                    nursery.start_soon(self._stop_quietly, container.id, grace)
+        left = [c for c in to_stop if not c.finished.is_set()]
+        for container in left:
+            if not container.exited.is_set() and STILL_RUNNING not in container.record.events:
+                self._event(
+                    container,
+                    "still running when the shutdown's time ran out; left for the next agent's "
+                    "recovery",
+                )
+        log.info(
+            "stopped %d container(s) for the shutdown; %d left for the next agent",
+            len(to_stop) - len(left),
+            len(left),
+            extra={
+                "stopped": len(to_stop) - len(left),
+                "left_running": sum(1 for c in left if not c.exited.is_set()),
+                "left_uncleaned": sum(1 for c in left if c.exited.is_set()),
+                "duration_s": round(trio.current_time() - start, 3),
+            },
+        )
 
-    async def _stop_quietly(self, container_id: str) -> None:
+    async def _stop_quietly(self, container_id: str, grace_s: float) -> None:
         with contextlib.suppress(ApiError):
-            await self.stop(container_id)
+            await self.stop(container_id, grace_s=grace_s)
 
 
 class _Background:
@@ -967,14 +1168,32 @@ def _write_json(path: Path, value: Any) -> None:
 
 @contextlib.asynccontextmanager
 async def open_container_manager(
-    config: ContainerConfig, *, gpus: Gpus | None = None
+    config: ContainerConfig,
+    *,
+    gpus: Gpus | None = None,
+    shutdown_budget: ShutdownBudget | None = None,
 ) -> AsyncIterator[ContainerManager]:
     """Own a worker's containers for the life of the block: recover what the previous agent
-    left, serve, and on exit stop every container (when configured) and remove our rules."""
+    left, serve, and on exit stop every container (when configured) and remove our rules,
+    within `shutdown_budget` (the module docstring says how it is spent)."""
     config.state_dir.mkdir(parents=True, exist_ok=True)
     async with _node_lock(config.state_dir / "agent.lock"):
-        async with _open_manager(config, gpus) as manager:
+        async with _open_manager(config, gpus, shutdown_budget or ShutdownBudget()) as manager:
             yield manager
+
+
+async def _shielded_nursery(
+    *, task_status: trio.TaskStatus[tuple[trio.Nursery, trio.CancelScope]]
+) -> None:
+    """A nursery for the manager's background tasks (watchers, creations, the bucket mounts)
+    that the caller's cancellation does not reach: a SIGTERM cancels the daemon's main task,
+    and its watchers must still see the containers end while the shutdown stops them, and the
+    mounts must still upload what those containers wrote. Only the returned scope's `cancel()`
+    (the manager's exit, once the containers are stopped) ends them."""
+    with trio.CancelScope(shield=True) as scope:
+        async with trio.open_nursery() as nursery:
+            task_status.started((nursery, scope))
+            await trio.sleep_forever()
 
 
 @contextlib.asynccontextmanager
@@ -1004,8 +1223,9 @@ async def _node_lock(path: Path) -> AsyncIterator[None]:
 
 @contextlib.asynccontextmanager
 async def _open_manager(
-    config: ContainerConfig, gpus: Gpus | None
+    config: ContainerConfig, gpus: Gpus | None, budget: ShutdownBudget
 ) -> AsyncIterator[ContainerManager]:
+    started_at: float | None = None
     store = ObjectStore(
         config.state_dir,
         budget_bytes=config.object_budget_bytes,
@@ -1033,38 +1253,59 @@ async def _open_manager(
         ca_file=Path(config.bucket_ca_file) if config.bucket_ca_file else None,
     )
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(volumes.run)
-            for stale in await volumes.sweep():
-                log.warning(
-                    "unmounted bucket %s left by a previous agent",
-                    stale,
-                    extra={"mount": str(stale)},
-                )
-            manager = ContainerManager(
-                config,
-                store=store,
-                puller=puller,
-                layers=LayerCache(config.state_dir),
-                networking=networking,
-                runc=Runc(config.state_dir / "runc", binary=config.runc_binary, shim=shim),
-                shim=shim,
-                nursery=nursery,
-                gpus=gpus,
-                volumes=volumes,
-            )
-            managers.append(manager)
-            await manager.recover()
+        async with trio.open_nursery() as outer:
+            nursery, background = await outer.start(_shielded_nursery)
             try:
-                yield manager
+                await nursery.start(volumes.run)
+                for stale in await volumes.sweep():
+                    log.warning(
+                        "unmounted bucket %s left by a previous agent",
+                        stale,
+                        extra={"mount": str(stale)},
+                    )
+                manager = ContainerManager(
+                    config,
+                    store=store,
+                    puller=puller,
+                    layers=LayerCache(config.state_dir),
+                    networking=networking,
+                    runc=Runc(config.state_dir / "runc", binary=config.runc_binary, shim=shim),
+                    shim=shim,
+                    nursery=nursery,
+                    gpus=gpus,
+                    volumes=volumes,
+                    shutdown_budget=budget,
+                )
+                managers.append(manager)
+                await manager.recover()
+                try:
+                    yield manager
+                finally:
+                    started_at = trio.current_time()
+                    # Also when the containers stay: creations cut short clean up in time.
+                    manager._limit_cleanups(started_at + budget.containers_s)
+                    with trio.CancelScope(shield=True, deadline=started_at + budget.containers_s):
+                        if config.stop_on_shutdown:
+                            await manager.shutdown(started_at=started_at)
             finally:
-                with trio.CancelScope(shield=True):
-                    if config.stop_on_shutdown:
-                        await manager.shutdown()
-                nursery.cancel_scope.cancel()
+                # The mounts' teardowns (shielded, in `volumes.run`) end by then, however
+                # many containers left uploads pending or still hold a mount.
+                if started_at is None:
+                    started_at = trio.current_time()
+                volumes.shutdown_by(started_at + budget.volumes_s)
+                background.cancel()
     finally:
-        with trio.CancelScope(shield=True):
+        if started_at is None:
+            started_at = trio.current_time()
+        with trio.CancelScope(shield=True, deadline=started_at + budget.total_s) as scope:
             await puller.aclose()
             if config.stop_on_shutdown:
                 await networking.uninstall()
-            store.close()
+        if scope.cancelled_caught:
+            log.warning(
+                "removing the network rules and registry connections did not finish within "
+                "the shutdown's %g s; the next agent's start replaces them",
+                budget.total_s,
+                extra={"duration_s": round(trio.current_time() - started_at, 3)},
+            )
+        store.close()

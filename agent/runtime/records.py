@@ -93,8 +93,11 @@ class Container:
     progress: PullProgress = attrs.field(factory=PullProgress)
     settled: trio.Event = attrs.field(factory=trio.Event)
     """Set once creation has ended: the container runs, or it failed."""
+    exited: trio.Event = attrs.field(factory=trio.Event)
+    """Set once its processes are gone (the shim recorded the exit, or it failed)."""
     finished: trio.Event = attrs.field(factory=trio.Event)
-    """Set once the container has ended and its runtime resources are back."""
+    """Set once the container has ended and its runtime resources are back (or the cleanup's
+    deadline passed: what is left is the next agent's)."""
     cancel_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     failure: ApiError | None = None
     timings: dict[str, float] = attrs.field(factory=dict)

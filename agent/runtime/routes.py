@@ -3,8 +3,8 @@
 Handlers are thin: they parse the request into a model, call the `ContainerManager`, and answer
 with models from `agent.api.models`. Creation belongs to the manager, so a client that gives up
 waiting (`wait=false`, or a deadline) leaves the container being created; `GET` tells how far
-it got. A container's ports are reached by CONNECT to `<container id>:<port>` (see
-`resolve_container`), exec is a WebSocket (`agent.api.exec`).
+it got. A container's declared ports are reached by CONNECT to `<container id>:<port>`
+(see `resolve_container`), exec is a WebSocket (`agent.api.exec`).
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ def add_container_routes(router: Router, manager: ContainerManager) -> None:
     router.add_websocket("/v1/containers/{id}/exec", exec_)
 
 
-def resolve_container(manager: ContainerManager, host: str) -> str:
-    """CONNECT `<container id>:<port>` → the running container's address on its veth."""
-    return manager.address_of(host)
+def resolve_container(manager: ContainerManager, host: str, port: int) -> str:
+    """CONNECT `<container id>:<port>` → the running container's address on its veth, for a
+    port the container declared (PERMISSION_DENIED naming its ports otherwise)."""
+    return manager.address_of(host, port)

@@ -167,7 +167,11 @@ class Runc:
         command = [self.binary, "--root", str(self.root), "--log-format", "json", action, *args]
         try:
             result = await trio.run_process(
-                command, capture_stdout=True, capture_stderr=True, check=False
+                command,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                deliver_cancel=_kill_at_once,
             )
         except FileNotFoundError:
             raise RuncError(
@@ -314,6 +318,13 @@ class Runc:
         if leave_running:
             args.append("--leave-running")
         await self._run("checkpoint", container_id, *args, container_id)
+
+
+async def _kill_at_once(process: trio.Process) -> None:
+    """How a cancelled runc call ends: SIGKILL at once, not trio's SIGTERM and 5 s wait. runc's
+    commands are short and keep their state on disk, and a cleanup cancels one only when its
+    deadline has passed (a runc that hangs must not hold up the agent's shutdown)."""
+    process.kill()
 
 
 def _state(entry: dict[str, Any]) -> RuncState:

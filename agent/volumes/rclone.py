@@ -205,6 +205,13 @@ class UploadFailed:
 
 
 @attrs.frozen
+class UploadQueued:
+    """A closed file waits for its upload (`name` is relative to the mount's root)."""
+
+    name: str
+
+
+@attrs.frozen
 class UploadSucceeded:
     name: str
 
@@ -216,7 +223,7 @@ class RcloneFailure:
     message: str
 
 
-RcloneLine = RcServing | UploadFailed | UploadSucceeded | RcloneFailure
+RcloneLine = RcServing | UploadFailed | UploadQueued | UploadSucceeded | RcloneFailure
 _SERVING = re.compile(r"Serving remote control on https?://127\.0\.0\.1:(\d+)/")
 _FAILED_UPLOAD = re.compile(
     r"vfs cache: failed to upload try #\d+, will retry in [^:]+: (.*)", re.S
@@ -282,6 +289,8 @@ def parse_rclone_line(raw: bytes) -> RcloneLine | None:
         return UploadFailed(name, describe_failure(failed.group(1)))
     if message.startswith("vfs cache: upload succeeded"):
         return UploadSucceeded(name)
+    if message.startswith("vfs cache: queuing for upload") and name:
+        return UploadQueued(name)
     if level in ("error", "critical", "fatal") and "Unmounted rclone mount" not in message:
         return RcloneFailure(message[:_MAX_REASON_CHARS])
     return None

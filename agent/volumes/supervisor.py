@@ -48,17 +48,27 @@ Design choices:
 - **Leftovers of a dead agent** (mounts under the root, rclone processes) are found from
   `/proc/self/mountinfo` and the process table by `sweep`, which unmounts and kills them; the
   manager decides what else to do, since credentials do not survive a restart.
+- **Every teardown ends.** Each runs shielded under a deadline: `teardown_timeout_s`, and at the
+  agent's shutdown the one `shutdown_by` gives (the manager's budget), which also lowers the
+  deadlines of teardowns already running. A drain of pending uploads ends `UNMOUNT_RESERVE_S`
+  before that deadline, so the unmount and rclone's exit still fit. Uploads still pending when
+  a wait for them is cut (a caller's deadline in `release`, the drain's) are named: which
+  files, how many bytes (from rclone's `queuing for upload` log lines and its cache), in a
+  warning and an event to the holders. A teardown cut anyway leaves its mount for the next
+  agent's `sweep`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import secrets
 import signal
 import stat
 import subprocess
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +87,7 @@ from agent.volumes.rclone import (
     RcloneFailure,
     RcServing,
     UploadFailed,
+    UploadQueued,
     UploadSucceeded,
     endpoint_label,
     parse_rclone_line,
@@ -113,6 +124,13 @@ from agent.wire.backoff import (
 from agent.wire.errors import ErrorCode
 
 log = logging.getLogger("levers9.volumes")
+UNMOUNT_RESERVE_S = 3.0
+"""What a teardown keeps of its deadline for the unmount and rclone's exit after the drain."""
+RCLONE_KILL_WAIT_S = 5.0
+"""After SIGKILL (or SIGTERM), how long rclone may take to exit."""
+_CLIENT_CLOSE_S = 1.0
+_MAX_PENDING_NAMES = 10_000
+_NAMES_SHOWN = 3
 
 
 def _is_under(path: Path, root: Path) -> bool:
@@ -182,6 +200,12 @@ class _Mount:
     generations: int = 0
     remounts: int = 0
     failed_uploads: dict[str, str] = attrs.Factory(dict)
+    pending_uploads: dict[str, None] = attrs.Factory(dict)
+    """Files rclone queued for upload and has not uploaded yet, oldest first (from its log)."""
+    uploads_counted: int = 0
+    """Uploads in progress or queued at the last `vfs/stats`."""
+    vfs_cache: Path | None = None
+    """rclone's cache of the mount's files (from `vfs/stats`): where a pending file's size is."""
     close_requested: bool = False
     wake: trio.Event = attrs.Factory(trio.Event)
     closed: trio.Event = attrs.Factory(trio.Event)
@@ -237,6 +261,9 @@ class Volumes:
         """Every mount instance with directories (starting, serving or closing), by name."""
         self._locks: dict[str, trio.Lock] = {}
         self._serial = 0
+        self._teardown_by = math.inf
+        self._cleanups: dict[trio.CancelScope, float] = {}
+        """Running cleanup scopes and what each keeps back of the shutdown's deadline."""
 
     # -- public ---------------------------------------------------------------------------
 
@@ -278,10 +305,20 @@ class Volumes:
             if lock.statistics().tasks_waiting == 0 and not lock.locked():
                 self._locks.pop(key, None)
 
+    def shutdown_by(self, deadline: float) -> None:
+        """The agent is shutting down: every teardown, running or to come, ends by `deadline`
+        (trio time), and its drain of pending uploads `UNMOUNT_RESERVE_S` before."""
+        self._teardown_by = min(self._teardown_by, deadline)
+        for scope, reserve_s in self._cleanups.items():
+            scope.deadline = min(scope.deadline, self._teardown_by - reserve_s)
+
     async def release(self, holder: str) -> list[str]:
         """`holder` is done (its container ended): wait until what was written through its
         mounts is in the bucket, unmount those no one else holds, and return the problems
-        (failed uploads, each naming the file and the bucket); an empty list means durable."""
+        (failed uploads, each naming the file and the bucket); an empty list means durable.
+
+        Cancelled (the caller's deadline) while waiting, it names what was still pending (a
+        warning, and an event to `holder`) and unmounts what no one holds all the same."""
         mounts = [mount for mount in self._mounts.values() if holder in mount.holders]
         for mount in mounts:
             mount.holders.discard(holder)
@@ -289,6 +326,10 @@ class Volumes:
         try:
             for mount in mounts:
                 found.append((mount, await self._wait_uploaded(mount)))
+        except trio.Cancelled:
+            for mount in mounts[len(found) :]:
+                self._report_unfinished(mount, (holder,), unmounting=not mount.holders)
+            raise
         finally:
             # Also when cancelled: a mount no one holds must not stay behind.
             for mount in mounts:
@@ -393,11 +434,34 @@ class Volumes:
             task_status.started()
             await self._watch(mount)
         finally:
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(self._options.teardown_timeout_s):
-                    await self._teardown(mount)
-                self._live.pop(mount.name, None)
-                mount.closed.set()
+            with self._cleanup_scope(self._options.teardown_timeout_s) as scope:
+                await self._teardown(mount)
+            if scope.cancelled_caught:
+                log.warning(
+                    "unmounting %s did not finish in time; the next agent's sweep removes "
+                    "what is left",
+                    mount.label(),
+                    extra={**mount.log_fields(), "volume": mount.name},
+                )
+            self._live.pop(mount.name, None)
+            mount.closed.set()
+
+    @contextlib.contextmanager
+    def _cleanup_scope(
+        self, seconds: float, *, shield: bool = True, reserve_s: float = 0.0
+    ) -> Iterator[trio.CancelScope]:
+        """A scope for cleanup that ends after `seconds`, and by the shutdown's deadline less
+        `reserve_s` (also one set while it runs). Shielded unless it nests in one that is."""
+        scope = trio.CancelScope(
+            shield=shield,
+            deadline=min(trio.current_time() + seconds, self._teardown_by - reserve_s),
+        )
+        self._cleanups[scope] = reserve_s
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._cleanups.pop(scope, None)
 
     def _prepare_directories(self, mount: _Mount) -> None:
         try:
@@ -484,7 +548,7 @@ class Volumes:
             await self._wait_started(mount, generation)
             await trio.to_thread.run_sync(self._bind_generation, mount, generation)
         except BaseException:
-            with trio.CancelScope(shield=True):
+            with self._cleanup_scope(self._options.teardown_timeout_s):
                 await self._stop_generation(mount, generation)
             raise
         generation.ready = True
@@ -649,6 +713,11 @@ class Volumes:
             if generation.rc_port is None:
                 generation.rc_port = parsed.port
                 generation.rc_ready.set()
+        elif isinstance(parsed, UploadQueued):
+            pending = mount.pending_uploads
+            pending[mount.scrub(parsed.name)] = None
+            if len(pending) > _MAX_PENDING_NAMES:
+                del pending[next(iter(pending))]
         elif isinstance(parsed, UploadFailed):
             name, reason = mount.scrub(parsed.name), mount.scrub(parsed.reason)
             first = name not in mount.failed_uploads
@@ -659,6 +728,7 @@ class Volumes:
                 self._emit(mount, message)
         elif isinstance(parsed, UploadSucceeded):
             name = mount.scrub(parsed.name)
+            mount.pending_uploads.pop(name, None)
             if mount.failed_uploads.pop(name, None) is not None:
                 self._emit(mount, f"upload of {name!r} to {mount.url} succeeded after all")
         elif isinstance(parsed, RcloneFailure):
@@ -751,14 +821,68 @@ class Volumes:
                     f"{mount.url}: rclone's vfs/stats answered {status}",
                 ]
             cache = body.get("diskCache") or {}
-            settled = uploads_settled(
-                int(cache.get("uploadsInProgress", 0)),
-                int(cache.get("uploadsQueued", 0)),
-                len(mount.failed_uploads),
-            )
+            in_progress = int(cache.get("uploadsInProgress", 0))
+            queued = int(cache.get("uploadsQueued", 0))
+            mount.uploads_counted = in_progress + queued
+            if cache.get("path"):
+                mount.vfs_cache = Path(str(cache["path"]))
+            settled = uploads_settled(in_progress, queued, len(mount.failed_uploads))
             settled_polls = settled_polls + 1 if settled else 0
             await trio.sleep(self._options.upload_poll_s)
         return self._upload_problems(mount)
+
+    def _report_unfinished(
+        self, mount: _Mount, holders: Collection[str], *, unmounting: bool
+    ) -> None:
+        """The wait for `mount`'s uploads was cut: name what was still pending (a warning per
+        holder, an event to them), and whether the mount goes now. Sizes are read from
+        rclone's local cache (a few `stat`s of local files: no FUSE, no network)."""
+        names = list(mount.pending_uploads)
+        files = max(len(names), mount.uploads_counted)
+        pending_bytes: int | None = None
+        if names and mount.vfs_cache is not None:
+            pending_bytes = 0
+            for name in names:
+                try:
+                    pending_bytes += os.stat(mount.vfs_cache / name).st_size
+                except OSError:
+                    pending_bytes = None
+                    break
+        if files == 0:
+            message = (
+                f"uploads to {mount.url} could not be confirmed before the wait for them ended"
+            )
+        else:
+            shown = ", ".join(repr(name) for name in names[:_NAMES_SHOWN])
+            if len(names) > _NAMES_SHOWN:
+                shown += f" and {len(names) - _NAMES_SHOWN} more"
+            size = f", {pending_bytes} bytes" if pending_bytes is not None else ""
+            what = f"upload of {shown}" if shown else "upload"
+            message = (
+                f"{what} to {mount.url} did not finish in time: {files} file(s){size} still "
+                "to upload"
+            )
+        if unmounting:
+            message += "; the volume is unmounted, so they may not be in the bucket"
+        else:
+            message += "; the mount stays for its other holders and keeps uploading"
+        fields: dict[str, object] = {
+            "workspace": mount.spec.workspace,
+            "bucket": str(mount.url),
+            "volume": mount.name,
+            "pending_files": files,
+        }
+        if pending_bytes is not None:
+            fields["pending_bytes"] = pending_bytes
+        if not holders:
+            log.warning("%s", message, extra=fields)
+        for holder in sorted(holders):
+            log.warning("%s", message, extra={**fields, "container": holder})
+        if holders and self._on_event is not None:
+            try:
+                self._on_event(tuple(sorted(holders)), message)
+            except Exception:
+                log.exception("volume event handler failed")
 
     def _upload_problems(self, mount: _Mount) -> list[str]:
         return [
@@ -792,16 +916,27 @@ class Volumes:
             del self._mounts[mount.key]
         generation = mount.generation
         if generation is not None and generation.ready and not mount.close_requested:
-            # Shutdown: give pending uploads a moment; release() has already waited.
-            with trio.move_on_after(self._options.shutdown_drain_s):
+            # Shutdown: give pending uploads a moment; release() has already waited. The drain
+            # keeps time for the unmount below.
+            with self._cleanup_scope(
+                self._options.shutdown_drain_s, shield=False, reserve_s=UNMOUNT_RESERVE_S
+            ) as drain:
                 problems = await self._wait_uploaded(mount)
                 for problem in problems:
-                    log.warning("at shutdown: %s", problem)
+                    log.warning(
+                        "at shutdown: %s",
+                        problem,
+                        extra={**mount.log_fields(), "volume": mount.name},
+                    )
+            if drain.cancelled_caught:
+                self._report_unfinished(mount, mount.holders, unmounting=True)
         mount.close_requested = True
-        await trio.to_thread.run_sync(self._unmount_directories, mount)
+        # Abandoned when the deadline passes: a thread stuck on a dead mount must not hold up
+        # the shutdown (the next agent's sweep deals with that mount).
+        await trio.to_thread.run_sync(self._unmount_directories, mount, abandon_on_cancel=True)
         if generation is not None:
             await self._stop_generation(mount, generation)
-        await trio.to_thread.run_sync(self._remove_directories, mount)
+        await trio.to_thread.run_sync(self._remove_directories, mount, abandon_on_cancel=True)
         log.info("unmounted %s", mount.label(), extra=mount.log_fields())
 
     def _unmount_directories(self, mount: _Mount) -> None:
@@ -825,14 +960,14 @@ class Volumes:
                 await process.wait()
                 return
             process.terminate()
-            with trio.move_on_after(5):
+            with trio.move_on_after(RCLONE_KILL_WAIT_S):
                 await process.wait()
         finally:
             if process.returncode is None:
                 process.kill()
-                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                with trio.CancelScope(shield=True), trio.move_on_after(RCLONE_KILL_WAIT_S):
                     await process.wait()
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLIENT_CLOSE_S):
                 await generation.client.aclose()
 
     def _remove_directories(self, mount: _Mount) -> None:

@@ -11,6 +11,13 @@ buffers is bounded by its window and what the connection buffers by the connecti
 Liveness: the connection PINGs its peer every `ping_interval_s` and declares the peer dead when
 a PING stays unanswered for `ping_timeout_s`. A GOAWAY drain (`drain()`) lets streams in flight
 finish while new ones go elsewhere.
+
+A server connection may also bound how long it waits for its peer: `first_request_timeout_s`
+from the start to the first request's HEADERS (a PING or SETTINGS does not count, so a
+slowloris that only keeps the connection busy is closed), and, after that, `idle_timeout_s`
+with no stream open and nothing received (a PING counts: the controlplane's pooled connections
+to direct workers and `levers9 port` keep theirs alive that way). Either ends in a GOAWAY
+drain and a close.
 """
 
 from __future__ import annotations
@@ -406,9 +413,15 @@ class Http2Connection:
         handler: RequestHandler | None = None,
         name: str = "",
         write_timeout_s: float = 30.0,
+        first_request_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
+        if client_side and (first_request_timeout_s is not None or idle_timeout_s is not None):
+            raise ValueError("first_request_timeout_s and idle_timeout_s are for the server role")
         self.transport = transport
         self._write_timeout_s = write_timeout_s
+        self._first_request_timeout_s = first_request_timeout_s
+        self._idle_timeout_s = idle_timeout_s
         self._last_receive = 0.0
         self.client_side = client_side
         self.name = name
@@ -459,6 +472,8 @@ class Http2Connection:
                     task_status.started()
                     if self._keepalive is not None:
                         nursery.start_soon(self._keepalive_loop, self._keepalive)
+                    if self._first_request_timeout_s or self._idle_timeout_s:
+                        nursery.start_soon(self._watch_quiet)
                     await self._read_loop()
                 nursery.cancel_scope.cancel()
         except trio.BrokenResourceError as exc:
@@ -827,6 +842,38 @@ class Http2Connection:
         self._idle_lot.unpark_all()
 
     # -- liveness --
+
+    async def _watch_quiet(self) -> None:
+        """Close a server connection that opens no stream in time, or later goes idle."""
+        first_s, idle_s = self._first_request_timeout_s, self._idle_timeout_s
+        if first_s is not None:
+            await trio.sleep(first_s)
+            if self._opened == 0:
+                await self._close_quiet(f"no request within {first_s:g} s")
+                return
+        if idle_s is None:
+            return
+        seen = self._opened
+        quiet_since = trio.current_time()
+        while not self._closed:
+            if self._streams:
+                await self._idle_lot.park()  # woken whenever a stream goes
+                seen, quiet_since = self._opened, trio.current_time()
+                continue
+            if self._opened != seen:
+                # Streams came and went while this slept: idle from now (at most idle_s late).
+                seen, quiet_since = self._opened, trio.current_time()
+            deadline = max(quiet_since, self._last_receive) + idle_s
+            if trio.current_time() >= deadline:
+                await self._close_quiet(f"idle for {idle_s:g} s")
+                return
+            await trio.sleep_until(deadline)
+
+    async def _close_quiet(self, reason: str) -> None:
+        """GOAWAY(NO_ERROR); a request that raced it still finishes; then close."""
+        with contextlib.suppress(trio.BrokenResourceError):
+            await self.drain()
+        self._mark_closed(reason)
 
     async def ping(self) -> float:
         """Send one PING and wait for its ACK; returns the round trip in seconds."""

@@ -6,14 +6,19 @@ that touches a socket:
 
 - settings sized for bulk transfer (large windows and frames) and bounded everywhere
   (concurrent streams, header list size; h2 itself caps CONTINUATION frames);
-- limits enforced as soon as a frame header announces a breach, not once h2 has buffered the
-  frame or header block (`_FrameScanner`);
+- limits enforced as soon as a frame header announces a breach, before h2 parses, buffers or
+  answers the frame (`_FrameScanner`);
 - a stream past the concurrency limit refused (RST_STREAM REFUSED_STREAM), as RFC 9113 5.1.2
   asks, where h2 alone would end the whole connection;
 - a graceful GOAWAY (NO_ERROR), sent or received, lets streams in flight finish; h2 alone
   refuses every frame after any GOAWAY;
-- flood limits: RST_STREAM, PING and SETTINGS frames received are counted per time window and
-  answered with GOAWAY(ENHANCE_YOUR_CALM) past their limit;
+- flood limits: frames that cost us work but carry nothing (RST_STREAM, PING, SETTINGS,
+  PRIORITY, frames of unknown type, empty DATA/HEADERS/CONTINUATION, WINDOW_UPDATE beyond what
+  the DATA we sent explains) are counted per time window from their headers, before h2 answers
+  any of them, and answered with GOAWAY(ENHANCE_YOUR_CALM) past their limit;
+- outbound header lists bounded by the peer's announced limit (a proxied answer's headers are
+  not ours to trust) and long values sent as plain literals: hpack's Huffman encoder is
+  quadratic in a value's length (a 650 kB value takes a core for half a minute);
 - every h2 error turned into one of ours (`ProtocolViolation`), with the GOAWAY already queued.
 
 Time is an argument (`now`), so the whole thing is tested by wiring two of these together,
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 import h2.config
@@ -32,6 +38,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
 import hyperframe.frame
 from h2.connection import ConnectionState
 
@@ -49,13 +56,26 @@ setattr(hyperframe.frame.DataFrame, "_body_repr", _data_frame_body_repr)  # noqa
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65_535
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-_HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x1, 0x5, 0x9
-_END_HEADERS = 0x4
+_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
+_PUSH_PROMISE, _PING, _WINDOW_UPDATE, _CONTINUATION = 0x5, 0x6, 0x8, 0x9
+_KNOWN_TYPES = frozenset(range(0xA))
+_END_STREAM, _ACK, _END_HEADERS, _PADDED = 0x1, 0x1, 0x4, 0x8
+_HUFFMAN_MAX_BYTES = 1024
+"""Longer names and values go out as plain literals (see `_Encoder`)."""
 
 
 @attrs.frozen
 class Http2Settings:
-    """Limits and sizes of one HTTP/2 connection; the same for both roles."""
+    """Limits and sizes of one HTTP/2 connection; the same for both roles.
+
+    The flood limits count frames received per `flood_window_s`. An honest peer sends few of
+    each: a SETTINGS now and then, a PING per keepalive, a RST_STREAM per cancelled request,
+    a WINDOW_UPDATE per DATA frame or two it was sent (`window_updates_per_data_frame` of them
+    per DATA frame we sent in the window are allowed on top of the fixed number), and empty
+    frames almost never (a stream ends with END_STREAM set on its last frame, or one empty
+    DATA frame carrying the flag, which is not counted). Frames on a closed stream are each
+    answered with a RST_STREAM; a peer sends some that were in flight, not a stream of them.
+    """
 
     stream_window_bytes: int = 8 * 1024 * 1024
     connection_window_bytes: int = 32 * 1024 * 1024
@@ -66,6 +86,12 @@ class Http2Settings:
     max_resets_per_window: int = 2000
     max_pings_per_window: int = 200
     max_settings_per_window: int = 200
+    max_priority_per_window: int = 1000
+    max_unknown_frames_per_window: int = 1000
+    max_empty_frames_per_window: int = 100
+    max_frames_on_closed_streams_per_window: int = 2000
+    max_window_updates_per_window: int = 1000
+    window_updates_per_data_frame: int = 2
 
     def __attrs_post_init__(self) -> None:
         if not 16_384 <= self.max_frame_bytes <= 16_777_215:
@@ -78,6 +104,12 @@ class Http2Settings:
                 raise ValueError(f"{name} must be between 65535 and 2**31-1, not {value}")
         if self.max_concurrent_streams < 1:
             raise ValueError("max_concurrent_streams must be at least 1")
+        if self.flood_window_s <= 0:
+            raise ValueError(f"flood_window_s must be above 0, not {self.flood_window_s}")
+        for field in attrs.fields(Http2Settings):
+            value = getattr(self, field.name)
+            if value < 0:
+                raise ValueError(f"{field.name} must be 0 or more, not {value}")
 
 
 class ProtocolViolation(Exception):
@@ -88,47 +120,144 @@ class ProtocolViolation(Exception):
         self.error_code = error_code
 
 
+@attrs.frozen
+class _FrameHead:
+    """What a frame's 9-byte header (and, for a padded DATA frame, its pad length) says."""
+
+    length: int
+    type: int
+    flags: int
+    payload: int
+    """Bytes of content: the length less padding for a padded DATA frame."""
+
+
 class _FrameScanner:
     """Follows frame boundaries in the received bytes and reports each frame header.
 
     h2 checks a frame's length only once the whole frame is buffered (up to 16 MiB for a
     header announcing that much, which is what an HTTP/1.1 answer or TLS record looks like),
-    and a header block's size only after its last CONTINUATION frame (up to 64 frames of
-    max_frame_bytes each). Seeing the headers first lets both be refused when announced.
+    a header block's size only after its last CONTINUATION frame (up to 64 frames of
+    max_frame_bytes each), and answers every PING in a buffer before its caller can count
+    them. Seeing the headers first lets each be refused when announced. A server's scanner
+    also checks the client preface, so that anything else is refused as what it is.
     """
 
     def __init__(self, *, server: bool) -> None:
-        self._skip = len(PREFACE) if server else 0  # the preface, or the rest of a frame
+        self._preface = 0 if server else len(PREFACE)  # preface bytes checked so far
+        self._skip = 0  # payload bytes of the current frame still to pass over
         self._header = bytearray()
+        self._padded: _FrameHead | None = None  # a padded DATA frame waiting for its pad byte
 
-    def feed(self, data: bytes | bytearray) -> list[tuple[int, int, int]]:
-        """(length, type, flags) of every frame header completed by `data`."""
-        found: list[tuple[int, int, int]] = []
+    def feed(self, data: bytes | bytearray) -> list[_FrameHead]:
+        """Every frame header completed by `data`; ValueError for a wrong client preface."""
+        found: list[_FrameHead] = []
         view = memoryview(data)
         at = 0
         while at < len(view):
-            if self._skip:
+            if self._preface < len(PREFACE):
+                step = min(len(PREFACE) - self._preface, len(view) - at)
+                if view[at : at + step] != PREFACE[self._preface : self._preface + step]:
+                    raise ValueError("the client's first bytes are not the HTTP/2 preface")
+                self._preface += step
+                at += step
+            elif self._padded is not None:
+                head, self._padded = self._padded, None
+                pad = view[at]
+                found.append(attrs.evolve(head, payload=max(head.length - 1 - pad, 0)))
+            elif self._skip:
                 step = min(self._skip, len(view) - at)
                 self._skip -= step
                 at += step
-                continue
-            step = min(9 - len(self._header), len(view) - at)
-            self._header += view[at : at + step]
-            at += step
-            if len(self._header) == 9:
-                length = int.from_bytes(self._header[:3], "big")
-                found.append((length, self._header[3], self._header[4]))
-                self._header.clear()
-                self._skip = length
+            else:
+                step = min(9 - len(self._header), len(view) - at)
+                self._header += view[at : at + step]
+                at += step
+                if len(self._header) == 9:
+                    length = int.from_bytes(self._header[:3], "big")
+                    head = _FrameHead(length, self._header[3], self._header[4], length)
+                    self._header.clear()
+                    self._skip = length
+                    if head.type == _DATA and head.flags & _PADDED and length:
+                        self._padded = head
+                    else:
+                        found.append(head)
         return found
 
 
-class _H2Connection(h2.connection.H2Connection):
-    """h2's connection, except that a GOAWAY with NO_ERROR does not end it.
+class _Encoder(hpack.Encoder):
+    """hpack's encoder, Huffman-coding only short names and values.
 
-    h2 moves to CLOSED on any GOAWAY and then refuses DATA, WINDOW_UPDATE and everything else
-    for streams still in flight; RFC 9113 6.8 lets those streams finish, which a drain needs.
+    Its Huffman encoder shifts one big integer per symbol, so its time grows with the square
+    of a value's length (28 s for 650 kB here). Long values are rare and barely shrink.
     """
+
+    def add(self, to_add: tuple[bytes, bytes], sensitive: bool, huffman: bool = False) -> bytes:
+        short = len(to_add[0]) <= _HUFFMAN_MAX_BYTES and len(to_add[1]) <= _HUFFMAN_MAX_BYTES
+        return super().add(to_add, sensitive, huffman and short)
+
+
+class _Flood(h2.exceptions.ProtocolError):
+    """Raised inside h2 for a flood only h2 can see; h2 queues the GOAWAY with this code."""
+
+    error_code = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+
+
+class HeaderListTooLarge(h2.exceptions.ProtocolError):
+    """Headers we were asked to send are over the size the peer accepts; nothing was sent."""
+
+
+def _header_list_bytes(headers: Iterable[Any]) -> int:
+    """RFC 9113 6.5.2: each field counts its name, its value and 32 bytes."""
+    return sum(len(header[0]) + len(header[1]) + 32 for header in headers)
+
+
+class _H2Connection(h2.connection.H2Connection):
+    """h2's connection, with four changes:
+
+    - a GOAWAY with NO_ERROR does not end it. h2 moves to CLOSED on any GOAWAY and then
+      refuses DATA, WINDOW_UPDATE and everything else for streams still in flight; RFC 9113
+      6.8 lets those streams finish, which a drain needs;
+    - headers over the peer's header list limit are refused before anything changes (no
+      stream opened, no HPACK state touched);
+    - DATA frames sent are counted, which is what WINDOW_UPDATE frames answer;
+    - frames on closed streams, which h2 answers with one RST_STREAM each, are counted
+      against `closed_stream_frames` at `now` (set by the caller before each batch).
+    """
+
+    def __init__(
+        self,
+        config: h2.config.H2Configuration,
+        *,
+        default_header_limit: int,
+        closed_stream_frames: _FloodCounter,
+    ) -> None:
+        super().__init__(config=config)
+        self.encoder = _Encoder()
+        self.default_header_limit = default_header_limit
+        self.data_frames_sent = 0
+        self.closed_stream_frames = closed_stream_frames
+        self.now = 0.0
+
+    def _count_closed_stream_frame(self) -> None:
+        counter = self.closed_stream_frames
+        if counter.hit(self.now):
+            raise _Flood(
+                f"peer sent more than {counter.limit} frames on closed streams in "
+                f"{counter.window_s:g} s"
+            )
+
+    def _stream_is_closed_by_reset(self, stream_id: int) -> bool:
+        # h2 asks this only to decide whether to answer a frame on a closed stream with a
+        # RST_STREAM (a stream error) rather than end the connection.
+        closed = bool(super()._stream_is_closed_by_reset(stream_id))
+        if closed:
+            self._count_closed_stream_frame()
+        return closed
+
+    def _handle_data_on_closed_stream(self, *args: Any) -> Any:
+        # h2 answers each DATA frame on a closed stream with a RST_STREAM.
+        self._count_closed_stream_frame()
+        return super()._handle_data_on_closed_stream(*args)
 
     def _receive_goaway_frame(
         self, frame: hyperframe.frame.GoAwayFrame
@@ -143,13 +272,28 @@ class _H2Connection(h2.connection.H2Connection):
         event.additional_data = frame.additional_data or None
         return [], [event]
 
+    def send_headers(self, stream_id: int, headers: Any, *args: Any, **kwargs: Any) -> None:
+        headers = list(headers)
+        limit = self.remote_settings.max_header_list_size or self.default_header_limit
+        size = _header_list_bytes(headers)
+        if size > limit:
+            raise HeaderListTooLarge(
+                f"a header list of {size} bytes is over the {limit} bytes the peer accepts"
+            )
+        super().send_headers(stream_id, headers, *args, **kwargs)
+
+    def send_data(self, stream_id: int, data: Any, *args: Any, **kwargs: Any) -> None:
+        super().send_data(stream_id, data, *args, **kwargs)
+        self.data_frames_sent += 1
+
 
 class _FloodCounter:
-    """Counts events in a sliding window of `window_s` seconds."""
+    """Counts events in a sliding window of `window_s` seconds; keeps at most limit+1 times."""
 
-    def __init__(self, limit: int, window_s: float) -> None:
+    def __init__(self, limit: int, window_s: float, what: str) -> None:
         self.limit = limit
         self.window_s = window_s
+        self.what = what
         self._times: collections.deque[float] = collections.deque()
 
     def hit(self, now: float) -> bool:
@@ -160,6 +304,30 @@ class _FloodCounter:
         while times and times[0] < horizon:
             times.popleft()
         return len(times) > self.limit
+
+
+class _WindowUpdateCounter:
+    """WINDOW_UPDATE frames per fixed window, allowed in proportion to the DATA frames sent.
+
+    A peer that is sent DATA answers with WINDOW_UPDATEs as it reads, on the stream and on
+    the connection; one that is sent nothing has little reason to send any.
+    """
+
+    def __init__(self, settings: Http2Settings) -> None:
+        self.base = settings.max_window_updates_per_window
+        self.per_data_frame = settings.window_updates_per_data_frame
+        self.window_s = settings.flood_window_s
+        self._start = -float("inf")
+        self._count = 0
+        self._sent_at_start = 0
+        self.limit = self.base
+
+    def hit(self, now: float, data_frames_sent: int) -> bool:
+        if now >= self._start + self.window_s:
+            self._start, self._count, self._sent_at_start = now, 0, data_frames_sent
+        self._count += 1
+        self.limit = self.base + self.per_data_frame * (data_frames_sent - self._sent_at_start)
+        return self._count > self.limit
 
 
 class Http2Protocol:
@@ -175,16 +343,27 @@ class Http2Protocol:
             validate_outbound_headers=True,
             normalize_inbound_headers=True,
         )
-        self.h2 = _H2Connection(config=config)
+        s = self.settings
+        window = s.flood_window_s
+        self.h2 = _H2Connection(
+            config,
+            default_header_limit=s.max_header_list_bytes,
+            closed_stream_frames=_FloodCounter(
+                s.max_frames_on_closed_streams_per_window, window, "closed-stream"
+            ),
+        )
         self._frames = _FrameScanner(server=not client_side)
         self._header_block_bytes = 0
-        s = self.settings
         # Encoded header blocks are no larger than the header lists they carry for any sane
         # encoder; twice the limit leaves room for padding and odd encoders.
         self._max_header_block_bytes = 2 * s.max_header_list_bytes
-        self._resets = _FloodCounter(s.max_resets_per_window, s.flood_window_s)
-        self._pings = _FloodCounter(s.max_pings_per_window, s.flood_window_s)
-        self._settings_changes = _FloodCounter(s.max_settings_per_window, s.flood_window_s)
+        self._resets = _FloodCounter(s.max_resets_per_window, window, "RST_STREAM")
+        self._pings = _FloodCounter(s.max_pings_per_window, window, "PING")
+        self._settings_changes = _FloodCounter(s.max_settings_per_window, window, "SETTINGS")
+        self._priorities = _FloodCounter(s.max_priority_per_window, window, "PRIORITY")
+        self._unknown = _FloodCounter(s.max_unknown_frames_per_window, window, "unknown-type")
+        self._empty = _FloodCounter(s.max_empty_frames_per_window, window, "empty")
+        self._window_updates = _WindowUpdateCounter(s)
         self.closed = False
 
     def initiate(self) -> None:
@@ -226,9 +405,14 @@ class Http2Protocol:
         return bool(self.h2._data_to_send)
 
     def receive_data(self, data: bytes | bytearray, now: float) -> list[h2.events.Event]:
-        """Feed received bytes; returns h2's events or raises `ProtocolViolation`."""
+        """Feed received bytes; returns h2's events or raises `ProtocolViolation`.
+
+        The frame headers in `data` are checked against every limit first: nothing of a
+        chunk that breaks one reaches h2, so no PING of a flood is answered past its limit."""
         if self.closed:
             return []
+        self._check_frame_headers(data, now)
+        self.h2.now = now
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
@@ -238,8 +422,6 @@ class Http2Protocol:
                 self.go_away(code)
             self.closed = True
             raise ProtocolViolation(f"peer broke HTTP/2: {exc}", code) from None
-        self._check_frame_headers(data)
-        self._check_floods(events, now)
         return self._refuse_excess_streams(events)
 
     def _violation(self, message: str, code: h2.errors.ErrorCodes) -> ProtocolViolation:
@@ -247,27 +429,76 @@ class Http2Protocol:
         self.closed = True
         return ProtocolViolation(message, code)
 
-    def _check_frame_headers(self, data: bytes | bytearray) -> None:
+    def _check_frame_headers(self, data: bytes | bytearray, now: float) -> None:
+        try:
+            heads = self._frames.feed(data)
+        except ValueError as exc:
+            raise self._violation(
+                f"peer broke HTTP/2: {exc}", h2.errors.ErrorCodes.PROTOCOL_ERROR
+            ) from None
         max_frame = self.h2.max_inbound_frame_size
-        for length, frame_type, flags in self._frames.feed(data):
-            if length > max_frame:
+        for head in heads:
+            if head.length > max_frame:
                 raise self._violation(
-                    f"peer sent a frame of {length} bytes, more than the {max_frame} announced",
+                    f"peer sent a frame of {head.length} bytes, more than the {max_frame} "
+                    "announced",
                     h2.errors.ErrorCodes.FRAME_SIZE_ERROR,
                 )
-            if frame_type in (_HEADERS, _PUSH_PROMISE):
-                self._header_block_bytes = length
-            elif frame_type == _CONTINUATION:
-                self._header_block_bytes += length
-            else:
-                continue
-            if self._header_block_bytes > self._max_header_block_bytes:
+            self._check_header_block(head)
+            self._count(head, now)
+
+    def _check_header_block(self, head: _FrameHead) -> None:
+        if head.type in (_HEADERS, _PUSH_PROMISE):
+            self._header_block_bytes = head.length
+        elif head.type == _CONTINUATION:
+            self._header_block_bytes += head.length
+        else:
+            return
+        if self._header_block_bytes > self._max_header_block_bytes:
+            raise self._violation(
+                f"peer sent a header block over {self._max_header_block_bytes} bytes",
+                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+            )
+        if head.flags & _END_HEADERS:
+            self._header_block_bytes = 0
+
+    def _count(self, head: _FrameHead, now: float) -> None:
+        """Count a frame against the flood limit of its kind, if it has one."""
+        counter: _FloodCounter | None = None
+        kind = head.type
+        if kind == _DATA:
+            if head.payload == 0 and not head.flags & _END_STREAM:
+                counter = self._empty
+        elif kind in (_HEADERS, _CONTINUATION):
+            ends = _END_STREAM if kind == _HEADERS else _END_HEADERS
+            if head.length == 0 and not head.flags & ends:
+                counter = self._empty
+        elif kind == _PING:
+            counter = self._pings
+        elif kind == _SETTINGS:
+            if not head.flags & _ACK:
+                counter = self._settings_changes
+        elif kind == _RST_STREAM:
+            counter = self._resets
+        elif kind == _PRIORITY:
+            counter = self._priorities
+        elif kind == _WINDOW_UPDATE:
+            updates = self._window_updates
+            if updates.hit(now, self.h2.data_frames_sent):
                 raise self._violation(
-                    f"peer sent a header block over {self._max_header_block_bytes} bytes",
+                    f"peer sent more than {updates.limit} WINDOW_UPDATE frames in "
+                    f"{updates.window_s:g} s for the {self.h2.data_frames_sent} DATA frames "
+                    "it was sent",
                     h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
                 )
-            if flags & _END_HEADERS:
-                self._header_block_bytes = 0
+        elif kind not in _KNOWN_TYPES:
+            counter = self._unknown
+        if counter is not None and counter.hit(now):
+            raise self._violation(
+                f"peer sent more than {counter.limit} {counter.what} frames in "
+                f"{counter.window_s:g} s",
+                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+            )
 
     def _refuse_excess_streams(self, events: list[h2.events.Event]) -> list[h2.events.Event]:
         """Reset streams opened past max_concurrent_streams and drop their events."""
@@ -298,22 +529,6 @@ class Http2Protocol:
                 continue
             kept.append(event)
         return kept
-
-    def _check_floods(self, events: Iterable[h2.events.Event], now: float) -> None:
-        for event in events:
-            counter: _FloodCounter | None = None
-            what = ""
-            if isinstance(event, h2.events.StreamReset) and event.remote_reset:
-                counter, what = self._resets, "RST_STREAM"
-            elif isinstance(event, h2.events.PingReceived):
-                counter, what = self._pings, "PING"
-            elif isinstance(event, h2.events.RemoteSettingsChanged):
-                counter, what = self._settings_changes, "SETTINGS"
-            if counter is not None and counter.hit(now):
-                raise self._violation(
-                    f"peer sent more than {counter.limit} {what} frames in {counter.window_s:g} s",
-                    h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
-                )
 
     def go_away(self, error_code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR) -> None:
         """Queue a GOAWAY; streams the peer opened so far may still finish."""

@@ -180,10 +180,20 @@ def _split(path: str) -> tuple[str, ...]:
 
 @attrs.frozen
 class ConnectPolicy:
-    """Where a plain CONNECT may go on the worker's side: networks and ports allowed."""
+    """Which literal addresses a plain CONNECT may reach on the worker's side.
 
-    networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    None by default. A container's port is reached by name, `<container id>:<port>`, and only
+    a port the container declared (`Service.resolve_name`); an address is another matter: with
+    `hostNetwork: true` the worker's loopback is the node's (the kubelet's ports, sshd), which
+    whoever holds a worker token must not reach. `loopback` opens 127.0.0.0/8 and ::1 (the
+    agent's LEVERS9_LOOPBACK_CONNECT=on, for tests and benchmarks), `ports` narrows it.
+    """
+
+    loopback: bool = False
     ports: tuple[int, ...] = ()
+    """With `loopback`: only these ports (empty: any)."""
+    setting: str = ""
+    """What turns `loopback` on, named in a refusal so the operator knows where to look."""
 
     def check(self, host: str, port: int) -> None:
         """Raise PERMISSION_DENIED unless `host:port` is an allowed literal address."""
@@ -195,10 +205,19 @@ class ConnectPolicy:
                 f"CONNECT target {host!r} must be an IP address",
                 field=":authority",
             ) from None
-        if not any(address in ipaddress.ip_network(n) for n in self.networks):
+        if not self.loopback:
+            how = f"; {self.setting} allows its loopback" if self.setting else ""
             raise ApiError(
                 ErrorCode.PERMISSION_DENIED,
-                f"CONNECT to {host}:{port} is not allowed from this worker",
+                f"CONNECT to {host}:{port} is refused: this worker reaches only its containers' "
+                f"declared ports (CONNECT <container id>:<port>){how}",
+                field=":authority",
+            )
+        if not address.is_loopback:
+            raise ApiError(
+                ErrorCode.PERMISSION_DENIED,
+                f"CONNECT to {host}:{port} is not allowed from this worker: it allows only "
+                "its loopback (127.0.0.0/8, ::1)",
                 field=":authority",
             )
         if self.ports and port not in self.ports:
@@ -259,7 +278,7 @@ class Service:
         *,
         authenticate: Authenticator,
         connect_policy: ConnectPolicy | None = None,
-        resolve_name: Callable[[str], str] | None = None,
+        resolve_name: Callable[[str, int], str] | None = None,
         dial: Dialer | None = None,
         name: str = "worker",
     ) -> None:
@@ -267,8 +286,8 @@ class Service:
         self.authenticate = authenticate
         self.connect_policy = connect_policy
         self.resolve_name = resolve_name
-        """Plain CONNECT to a name (not an address): the name → the address to dial, or
-        ApiError (containers' ports are reached as `<container id>:<port>`)."""
+        """Plain CONNECT to a name (not an address): (name, port) → the address to dial, or
+        ApiError (containers' declared ports are reached as `<container id>:<port>`)."""
         self.dial = dial
         """Plain CONNECT served by the caller: (host, port, principal) → the stream to splice
         with (the controlplane reaches a task's port through its worker)."""
@@ -417,7 +436,7 @@ class Service:
                 await splice(H2ByteStream(stream), remote)
             return 200
         if self.resolve_name is not None and not _is_address(host):
-            host = self.resolve_name(host)
+            host = self.resolve_name(host, port)
         elif self.connect_policy is not None:
             self.connect_policy.check(host, port)
         else:

@@ -24,6 +24,14 @@ import trio_websocket
 
 from agent.api.client import WorkerClient
 from agent.api.models import Registration, WorkerInfo, WorkerSummary
+from agent.wire.admission import (
+    Admission,
+    Admissions,
+    ConnectionLimits,
+    ConnectionLog,
+    Refusal,
+    source_address,
+)
 from agent.wire.connection import ConnectionLost, Http2Connection, KeepaliveConfig
 from agent.wire.errors import ApiError, ErrorCode
 from agent.wire.service import JsonResponse, Request, Router, Service, bearer_token
@@ -60,6 +68,19 @@ REMOVE_POOL_S = 60.0
 log = logging.getLogger("levers9.control")
 
 WORKER_CALL_TIMEOUT_S = 30.0
+
+
+def connection_limits(config: ControlConfig) -> ConnectionLimits:
+    """The public endpoint's limits: `config.connections`, with the TLS handshake timeout of
+    `config.tunnel.handshakeTimeoutS` (which has always covered every connection's)."""
+    settings = config.connections
+    return ConnectionLimits(
+        max_per_source=settings.max_per_source,
+        max_total=settings.max_total,
+        handshake_timeout_s=config.tunnel.handshake_timeout_s,
+        first_request_timeout_s=settings.first_request_timeout_s,
+        idle_timeout_s=settings.idle_timeout_s,
+    )
 
 
 def server_ssl_context(config: ControlConfig) -> ssl.SSLContext:
@@ -101,6 +122,9 @@ class Controlplane:
         dial = add_task_routes(router, dispatcher, self.proxy)
         self.service = Service(router, authenticate=self._authenticate, dial=dial, name="control")
         self.port = 0
+        self.limits = connection_limits(config)
+        self.admissions = Admissions(self.limits)
+        self._early = ConnectionLog()
         self.keepalive = KeepaliveConfig(
             ping_interval_s=config.tunnel.ping_interval_s,
             ping_timeout_s=config.tunnel.ping_timeout_s,
@@ -404,28 +428,74 @@ class Controlplane:
             run.done.set()
 
     async def handle_connection(self, tcp: trio.SocketStream, context: ssl.SSLContext) -> None:
+        """One accepted connection: counted against the limits first (closed at once, before
+        TLS, when over one), then TLS, then the API (h2) or a tunnel (http/1.1)."""
+        # Nothing awaits before the decision: a refused connection costs an accept and a close.
+        try:
+            source = source_address(tcp.socket.getpeername())
+        except OSError:
+            source = "unknown"
+        admission = self.admissions.admit(source)
+        if isinstance(admission, Refusal):
+            self._early.refused(admission, trio.current_time())
+            await tcp.aclose()
+            return
+        try:
+            await self._serve_connection(tcp, context, admission)
+        finally:
+            self.admissions.release(admission)
+
+    async def _serve_connection(
+        self, tcp: trio.SocketStream, context: ssl.SSLContext, admission: Admission
+    ) -> None:
+        source = admission.source
+        peer = _peer(tcp)
         tls = TLSStream(tcp, context, server_side=True)
         try:
-            with trio.fail_after(self.config.tunnel.handshake_timeout_s):
+            with trio.fail_after(self.limits.handshake_timeout_s):
                 await tls.do_handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            log.info("TLS handshake failed: %s", exc, extra={"peer": _peer(tcp)})
+            reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+            self._early.failed(peer, source, f"TLS handshake failed: {reason}", trio.current_time())
             await tls.aclose()
             return
         if tls.selected_alpn_protocol() == "h2":
-            conn = Http2Connection(tls, client_side=False, handler=self.service, name="api")
+            conn = Http2Connection(
+                tls,
+                client_side=False,
+                settings=self.config.http2,
+                handler=self.service,
+                name="api",
+                first_request_timeout_s=self.limits.first_request_timeout_s,
+                idle_timeout_s=self.limits.idle_timeout_s,
+            )
             with contextlib.suppress(ConnectionLost):
                 # Gone before it was ready (reset right after the handshake): nothing to serve.
                 await conn.run()
+            closed = conn.close_reason
+            if closed and not conn.closed_by_peer and conn.statistics().streams_opened == 0:
+                self._early.failed(peer, source, closed, trio.current_time())
             return
-        await self._accept_tunnel(tls)
+        await self._accept_tunnel(tls, peer, admission)
 
-    async def _accept_tunnel(self, tls: TLSStream) -> None:
+    async def _accept_tunnel(self, tls: TLSStream, peer: str, admission: Admission) -> None:
+        source = admission.source
         async with trio.open_nursery() as nursery:
             try:
-                with trio.fail_after(self.config.tunnel.handshake_timeout_s):
+                # The upgrade request is the connection's first: it comes at once or not at
+                # all. Once it is in, the tunnel lives as long as its PINGs are answered.
+                with trio.fail_after(self.limits.first_request_timeout_s):
                     request = await wrap_server(nursery, tls)
-            except (trio.BrokenResourceError, trio.TooSlowError, trio_websocket.HandshakeError):
+            except (
+                trio.BrokenResourceError,
+                trio.TooSlowError,
+                trio_websocket.HandshakeError,
+            ) as exc:
+                if isinstance(exc, trio.TooSlowError):
+                    reason = f"no request within {self.limits.first_request_timeout_s:g} s"
+                else:
+                    reason = f"WebSocket handshake failed: {exc}"
+                self._early.failed(peer, source, reason, trio.current_time())
                 nursery.cancel_scope.cancel()
                 await tls.aclose()
                 return
@@ -447,9 +517,11 @@ class Controlplane:
                 nursery.cancel_scope.cancel()
                 return
             ws = await request.accept()
+            self.admissions.vouch(admission)
             conn = Http2Connection(
                 WebSocketStream(ws, tls),
                 client_side=True,
+                settings=self.config.http2,
                 keepalive=self.keepalive,
                 name=f"tunnel {worker_id}",
             )
@@ -566,6 +638,7 @@ async def serve_controlplane(
         registry = WorkerRegistry(
             {t.worker_id: t.token for t in config.worker.tokens},
             nursery,
+            settings=config.http2,
             keepalive=KeepaliveConfig(
                 ping_interval_s=config.tunnel.ping_interval_s,
                 ping_timeout_s=config.tunnel.ping_timeout_s,

@@ -9,7 +9,8 @@ way). Log streams, exec and port traffic are relayed, never buffered whole:
 - logs follow a task from pending (the stream waits for it to start) through its worker's log
   to the end, then from the kept log once the container is gone, without repeating a line;
 - exec relays the worker's exec WebSocket message by message;
-- a box port is a CONNECT stream spliced with the worker's CONNECT to the container's port;
+- a box port is a CONNECT stream spliced with the worker's CONNECT to the container's port,
+  one the task declared (refused here first, as the worker refuses any other);
 - an endpoint request is forwarded as HTTP/1.1 over such a stream (`control.api.endpoints`).
 """
 
@@ -123,6 +124,20 @@ def _running(record: TaskRecord, what: str) -> str:
             f"task {record.id} is {record.state.value}; {what} needs it running ({hint})",
         )
     return record.worker
+
+
+def undeclared_port(
+    task_id: str, ports: tuple[int, ...], port: int, port_text: str | None = None
+) -> str | None:
+    """Why `port` of the task may not be reached: it is not one of the `ports` its spec
+    declared, which are all its worker lets through. None when it is. Pure."""
+    if port in ports:
+        return None
+    declared = ", ".join(map(str, ports)) or "none"
+    return (
+        f"task {task_id} declares no port {port_text or port} (its ports: {declared}); "
+        "declare it with --port when running the task"
+    )
 
 
 def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy) -> Dialer:
@@ -262,13 +277,9 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
         record = await dispatcher.running_record(workspace, request.params["id"])
         port_text = request.params["port"]
         port = int(port_text) if port_text.isdigit() else 0
-        if port not in record.spec.ports:
-            declared = ", ".join(map(str, record.spec.ports)) or "none"
-            raise ApiError(
-                ErrorCode.NOT_FOUND,
-                f"task {record.id} declares no port {port_text} (its ports: {declared}); "
-                "declare it with --port when running the task",
-            )
+        refused = undeclared_port(record.id, record.spec.ports, port, port_text)
+        if refused is not None:
+            raise ApiError(ErrorCode.NOT_FOUND, refused)
         worker = _running(record, "its endpoint")
         raw = request.path + (f"?{request.raw_query}" if request.raw_query else "")
         target = upstream_target(raw, strip_segments=5)
@@ -286,6 +297,9 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
     async def dial(host: str, port: int, principal: str) -> trio.abc.HalfCloseableStream:
         workspace = workspace_of(principal)
         record = await dispatcher.running_record(workspace, host)
+        refused = undeclared_port(record.id, record.spec.ports, port)
+        if refused is not None:
+            raise ApiError(ErrorCode.PERMISSION_DENIED, refused, field=":authority")
         worker = _running(record, "a port")
         try:
             return await dispatcher.on_worker(worker, lambda c: c.connect_tcp(record.id, port))

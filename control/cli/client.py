@@ -163,20 +163,31 @@ def _task_path(task_id: str, *rest: str) -> str:
 
 
 @asynccontextmanager
-async def open_control_client(url: str, token: str, ca: str | None) -> AsyncIterator[ControlClient]:
+async def open_control_client(
+    url: str, token: str, ca: str | None, *, ca_pem: str | None = None
+) -> AsyncIterator[ControlClient]:
     """A `ControlClient` over verifying TLS (ALPN h2) to `url`, for the body of the `async
-    with`. `ca` names a CA file for a controlplane whose certificate no public CA signed.
-    Raises `ControlClientError` when the controlplane cannot be reached or trusted."""
+    with`. `ca` names a CA file, or `ca_pem` holds the PEM text (a login's context keeps it),
+    for a controlplane whose certificate no public CA signed. Raises `ControlClientError` when
+    the controlplane cannot be reached or trusted."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme != "https" or not parsed.hostname:
         raise ControlClientError(
-            f"--controlplane must be an https:// URL, not {url!r} (or set LEVERS9_CONTROLPLANE)"
+            f"--controlplane must be an https:// URL, not {url!r} (or set LEVERS9_CONTROLPLANE, "
+            "or run 'levers9 login URL' once)"
         )
     if not token:
-        raise ControlClientError("no API token: pass --token or set LEVERS9_TOKEN")
+        raise ControlClientError(
+            "no API token: pass --token or set LEVERS9_TOKEN, or run 'levers9 login URL' once"
+        )
     try:
-        context = verifying_client_context(cafile=ca, alpn=("h2",))
+        context = verifying_client_context(cafile=ca, cadata=ca_pem, alpn=("h2",))
     except (OSError, ssl.SSLError) as exc:
+        if ca is None:
+            raise ControlClientError(
+                f"cannot load the CA certificate stored for {url} ({exc}); "
+                f"run 'levers9 login {url} --ca FILE' again"
+            ) from None
         raise ControlClientError(
             f"cannot load the CA file {ca!r} (--ca or LEVERS9_CA): {exc}; "
             "give a PEM file with the controlplane's CA certificate"

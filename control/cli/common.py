@@ -1,20 +1,25 @@
-"""What every command shares: the client from the global options, bounded calls, Ctrl-C."""
+"""What every command shares: the client from the global options (or the contexts file),
+bounded calls, Ctrl-C."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import (
     Awaitable,
     Callable,
+    Mapping,
 )
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
 from control.cli.client import ControlClient, open_control_client
+from control.cli.contexts import Given, Target, config_path, load, resolve_target
+from control.cli.output import isatty
 
 T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0
@@ -27,10 +32,40 @@ EXIT_INTERRUPTED = 130
 STDIN_CHUNK_BYTES = 64 * 1024
 
 
+def target_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Target:
+    """The controlplane, token and CA a command uses: its flags, then `environ`, then the
+    contexts file (`control.cli.contexts`)."""
+    given = Given.of(
+        controlplane=args.controlplane,
+        token=args.token,
+        ca=args.ca,
+        context=args.use_context,
+        environ=environ,
+    )
+    return resolve_target(given, lambda: load(config_path(environ)))
+
+
 def client_from_args(
     args: argparse.Namespace,
 ) -> contextlib.AbstractAsyncContextManager[ControlClient]:
-    return open_control_client(args.controlplane, args.token, args.ca)
+    target = target_from_args(args, os.environ)
+    return open_control_client(
+        target.controlplane, target.token, target.ca_file, ca_pem=target.ca_pem
+    )
+
+
+TOKEN_FLAG_WARNING = (
+    "--token puts the token in the process list and shell history; "
+    "use `levers9 login` or LEVERS9_TOKEN"
+)
+
+
+def token_flag_warning(args: argparse.Namespace, stdin: Any, stderr: Any) -> str | None:
+    """The line to print when `--token` was typed where a person is (stdin or stderr a
+    terminal); scripts with a pipe on both keep quiet."""
+    if getattr(args, "token", None) and (isatty(stdin) or isatty(stderr)):
+        return TOKEN_FLAG_WARNING
+    return None
 
 
 async def timed(call: Awaitable[T]) -> T:

@@ -1,9 +1,12 @@
 """`levers9`: the operator's and user's command line, speaking the controlplane's API.
 
-Global options `--controlplane URL` and `--token TOKEN` (or `LEVERS9_CONTROLPLANE`,
-`LEVERS9_TOKEN`; `LEVERS9_CA` names a CA file for a controlplane whose certificate is not
-signed by a public CA). Listings print a table for people and JSON with `--json`. Errors are
-one line that says what to do, and exit 1 (2 for a mistyped command line).
+Where a command connects: `--controlplane URL`, `--token TOKEN` and `--ca FILE`, else
+`LEVERS9_CONTROLPLANE`, `LEVERS9_TOKEN` and `LEVERS9_CA` (a CA file for a controlplane whose
+certificate is not signed by a public CA), else the context `--context NAME` names, else the
+current context, which `levers9 login URL` stores (`control.cli.contexts`), so that after a
+login no command needs a flag and the token is never on a command line. Listings print a
+table for people and JSON with `--json`. Errors are one line that says what to do, and exit 1
+(2 for a mistyped command line).
 
 Parsing options and formatting what people read are pure functions at the top (unit-tested
 without a controlplane); the commands below them are a thin layer that makes the calls
@@ -17,7 +20,6 @@ at a terminal.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import (
     Iterator,
@@ -31,8 +33,15 @@ from agent import __version__
 from agent.wire.errors import ApiError
 from control.cli.client import ControlClientError
 from control.cli.cluster import cluster_join, cluster_leave, cluster_list
-from control.cli.common import CALL_TIMEOUT_S, DEFAULT_WAIT_S, EXIT_INTERRUPTED, EXIT_USAGE
+from control.cli.common import (
+    CALL_TIMEOUT_S,
+    DEFAULT_WAIT_S,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    token_flag_warning,
+)
 from control.cli.exec import cmd_exec
+from control.cli.login import cmd_login, context_delete, context_list, context_use
 from control.cli.parse import CliError, UsageError, split_command
 from control.cli.port import cmd_port
 from control.cli.tasks import cmd_run, task_cancel, task_get, task_list, task_logs, task_snapshot
@@ -49,10 +58,59 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="levers9", description="levers9 command line")
     parser.add_argument("--version", action="version", version=__version__)
-    parser.add_argument("--controlplane", default=os.environ.get("LEVERS9_CONTROLPLANE", ""))
-    parser.add_argument("--token", default=os.environ.get("LEVERS9_TOKEN", ""))
-    parser.add_argument("--ca", default=os.environ.get("LEVERS9_CA") or None)
+    # The environment and the contexts file fill in what these leave out, at the command
+    # (control.cli.common.target_from_args), so a flag can be told from a variable.
+    parser.add_argument(
+        "--controlplane", metavar="URL", help="the controlplane (or LEVERS9_CONTROLPLANE)"
+    )
+    parser.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="API token (or LEVERS9_TOKEN); 'levers9 login' keeps it off the command line",
+    )
+    parser.add_argument("--ca", metavar="FILE", help="the controlplane's CA (or LEVERS9_CA)")
+    parser.add_argument(
+        "--context",
+        dest="use_context",
+        metavar="NAME",
+        help="a context of 'levers9 login' instead of the current one",
+    )
     sub = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+
+    login = sub.add_parser(
+        "login",
+        help="check a token with a controlplane and keep it in a context",
+        description="Read the API token from a prompt (or stdin when it is not a terminal), "
+        "check it with the controlplane at URL and store URL, CA and token as a context that "
+        "becomes current, so later commands need no flags. The contexts file is "
+        "$LEVERS9_CONFIG, else $XDG_CONFIG_HOME/levers9/config, else ~/.config/levers9/config.",
+    )
+    login.add_argument("url", metavar="URL", help="the controlplane, https://...")
+    login.add_argument(
+        "--ca",
+        dest="login_ca",
+        metavar="FILE",
+        help="the controlplane's CA certificate (PEM); its text is stored, not its path",
+    )
+    login.add_argument(
+        "--context",
+        dest="login_context",
+        metavar="NAME",
+        help="the context's name (default: the URL's host)",
+    )
+    login.set_defaults(func=cmd_login)
+
+    context = sub.add_parser("context", help="the contexts 'levers9 login' stored")
+    xsub = context.add_subparsers(dest="action", required=True, metavar="ACTION")
+    xls = xsub.add_parser("list", help="list contexts; * marks the current one")
+    xls.add_argument("--json", action="store_true")
+    xls.set_defaults(func=context_list)
+    xuse = xsub.add_parser("use", help="make a context the current one")
+    xuse.add_argument("name", metavar="NAME")
+    xuse.set_defaults(func=context_use)
+    xdel = xsub.add_parser("delete", help="forget a context and its token")
+    xdel.add_argument("name", metavar="NAME")
+    xdel.set_defaults(func=context_delete)
 
     run = sub.add_parser(
         "run",
@@ -247,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else 0
+    warning = token_flag_warning(args, sys.stdin, sys.stderr)
+    if warning is not None:
+        print(f"levers9: {warning}", file=sys.stderr)
     code = 1
     messages: list[str] = []
     try:

@@ -76,5 +76,11 @@ async def cmd_port(args: argparse.Namespace) -> int:
             raise CliError(
                 f"task {view.id} has ended ({view.state}); forward ports of a running task"
             )
+        if port not in view.ports:
+            declared = ", ".join(str(p) for p in view.ports) or "none"
+            raise CliError(
+                f"task {view.id} declares no port {port} (its ports: {declared}); only declared "
+                "ports are reachable: run the task with --port"
+            )
         await interruptible(lambda: forward_port(client, view.id, port, host, local_port, console))
     return 0

@@ -774,6 +774,8 @@ def job_manifest(
         {"name": "LEVERS9_STATE_DIR", "value": settings.objects_path},
         {"name": "LEVERS9_GPU_DRIVER_DIR", "value": settings.driver_path},
         {"name": "LEVERS9_IDLE_S", "value": str(int(settings.idle_minutes * 60))},
+        # Said explicitly: with hostNetwork the worker's loopback is the node's (kubelet, sshd).
+        {"name": "LEVERS9_LOOPBACK_CONNECT", "value": "off"},
         {
             "name": "LEVERS9_WORKER_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": token_secret_name, "key": TOKEN_KEY}},

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import builtins
+import contextlib
 import errno
 import fcntl
 import functools
@@ -444,11 +445,19 @@ class ExecProcess:
 
 
 async def _close_process(process: trio.Process) -> None:
-    """Closes our ends of the process's pipes and waits for it."""
+    """Closes our ends of the process's pipes and waits for it, `_CLEANUP_DEADLINE_S` at most
+    (callers shield it): then SIGKILL, and a short wait more (a process stuck in the kernel
+    stays a zombie rather than hold up a shutdown)."""
     for stream in (process.stdin, process.stdout, process.stderr):
         if stream is not None:
             await stream.aclose()
-    await process.wait()
+    with trio.move_on_after(_CLEANUP_DEADLINE_S):
+        await process.wait()
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    with trio.move_on_after(1):
+        await process.wait()
 
 
 async def _receive_pty(listener: trio.socket.SocketType) -> int:

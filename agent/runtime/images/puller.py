@@ -75,6 +75,15 @@ from agent.store.objects import ObjectCorrupt, ObjectStore
 from agent.wire.errors import ApiError, ErrorCode
 
 log = logging.getLogger("levers9.images")
+_CLOSE_S = 5.0
+"""How long giving a response's connection back may take, whatever the caller's cancellation."""
+
+
+async def _close_response(response: httpx.Response) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_S):
+        await response.aclose()
+
+
 _MAX_ERROR_BYTES = 64 << 10
 _MAX_REDIRECTS = 5
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -475,8 +484,7 @@ class ImagePuller:
             await self._check_status(session, response, what)
             body = await self._read_capped(session, response, MAX_MANIFEST_BYTES, what)
         finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            await _close_response(response)
         digest = _digest_of(body)
         expected = reference if reference.startswith("sha256:") else None
         advertised = response.headers.get("docker-content-digest")
@@ -643,8 +651,7 @@ class ImagePuller:
                 size=descriptor.size,
             )
         finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            await _close_response(response)
 
     async def _chunks(
         self,
@@ -741,8 +748,7 @@ class ImagePuller:
             if response.status_code != 401:
                 break
             challenges = parse_challenges(response.headers.get_list("www-authenticate"))
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            await _close_response(response)
             self._tokens.pop(
                 (session.ref.registry, session.ref.scope, session.credentials_id), None
             )
@@ -753,8 +759,7 @@ class ImagePuller:
         try:
             return await self._follow_redirects(session, response, sent)
         except BaseException:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            await _close_response(response)
             raise
 
     async def _follow_redirects(
@@ -908,8 +913,7 @@ class ImagePuller:
                 )
             body = await self._read_capped(token_session, response, MAX_TOKEN_BYTES, "a token")
         finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            await _close_response(response)
         token, expires_in = parse_token(body)
         if token is None:
             raise ImageError(

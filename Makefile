@@ -38,8 +38,13 @@ $(VENV)/.installed: pyproject.toml
 test: deps install
 	$(BIN)/pytest -q -p no:randomly
 
+# A random order each run; `make test-shuffled SEED=N` repeats the order of the run that printed N.
+ifndef SEED
+SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
 test-shuffled: deps install
-	$(BIN)/pytest -q
+	@echo "test order seed: $(SEED) (make test-shuffled SEED=$(SEED) repeats it)"
+	$(BIN)/pytest -q -p randomly --randomly-seed=$(SEED)
 
 lint: install
 	$(BIN)/ruff check .

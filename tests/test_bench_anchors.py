@@ -49,10 +49,12 @@ def _still_running(pids: set[int]) -> set[int]:
 
 @pytest.fixture
 def no_leftover_processes() -> Iterator[set[int]]:
-    """Collects (via the test) the pids it started; after the test none may still run."""
+    """Collects (via the test) the pids it started; after the test none may still run. What
+    ran before the test (a session fixture's registry, say) is not the test's."""
+    before = _descendant_pids()
     started: set[int] = set()
     yield started
-    assert not _still_running(started), "processes left running after the test"
+    assert not _still_running(started - before), "processes left running after the test"
 
 
 async def test_direct_tcp_measurements_move_real_bytes(no_leftover_processes: set[int]) -> None:

@@ -996,6 +996,11 @@ class ContainerManager:
             await self._runc_kill(record.id, signal.SIGKILL)
             if running_shim(container.directory / "exit.json") is not None:
                 return True
+            # The shim may have recorded the exit and gone between the kill and the check.
+            exit_status = read_exit(container.directory / "exit.json")
+            if exit_status is not None:
+                await self._finish(container, exit_status)
+                return False
             await self._fail(
                 container,
                 ErrorCode.UNAVAILABLE,

@@ -8,6 +8,15 @@ bindings with the apiserver's paths, List and Status shapes, discovery documents
 selectors, `limit`/`continue` paging, bearer-token authentication and owner-reference cascading
 on delete.
 
+Every listed resource also serves WATCH (`?watch=true`, its own RBAC verb) as the apiserver
+does: a chunked stream of `{"type", "object"}` lines from a list's resourceVersion (or, without
+one, synthetic ADDED events for what exists), label and field selectors applied as its cacher
+applies them (an object that stops matching arrives as DELETED), `timeoutSeconds`, BOOKMARK
+events with `allowWatchBookmarks`, and an ERROR event with a 410 Expired Status for a version
+older than the bounded history it keeps (`sendInitialEvents` is ignored). Tests count lists
+(`list_count`) and open watches (`watch_count`, `wait_watches`), cut every stream
+(`drop_watches`) and compact the history (`expire_history`).
+
 ServiceAccounts are modelled as far as `levers9 cluster join` needs them: the token controller
 fills a `kubernetes.io/service-account-token` Secret with a token, the CA and the namespace; a
 request bearing that token is `system:serviceaccount:<ns>:<sa>` and is authorized by RBAC
@@ -25,7 +34,7 @@ Design choices:
 - Tests arrange state through the Python API (`add_node`, `add_pod`, `set_pod_phase`, ...) rather
   than through status subresources; faults (429, 500, delays) and a "kubelet" callback run when a
   Job is created are armed the same way.
-- Only what the controlplane needs is modelled: no watch, no admission, no scheduler, no RBAC
-  escalation checks or bootstrap roles, and the garbage collector and the token controller run
+- Only what the controlplane needs is modelled: no admission, no scheduler, no RBAC escalation
+  checks or bootstrap roles, and the garbage collector and the token controller run
   synchronously inside the request that triggers them.
 """

@@ -1,11 +1,18 @@
 """The stand-in's HTTPS server: discovery documents, routing of REST paths to the store,
-watch and list responses, and `python -m sim.kubeapi` for a benchmark or a kubectl session.
+list responses, watch streams, and `python -m sim.kubeapi` for a benchmark or a kubectl
+session.
+
+A watch is one chunked response of JSON lines on the connection's own thread (the server is a
+`ThreadingHTTPServer`), which sleeps on the store's condition between changes: an open watch
+costs one idle thread and holds up no other request.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import select
 import socket
 import ssl
 import threading
@@ -39,6 +46,10 @@ from sim.kubeapi.model import (
 from sim.kubeapi.rbac import subject_review
 from sim.kubeapi.store import KubeStandin, RequestRecord, synthetic_cluster, synthetic_workers
 from sim.kubeapi.tables import table_of
+from sim.kubeapi.watch import Event, Expired, Watcher, bookmark_line
+
+_LIVENESS_S = 1.0
+"""How often an idle watch looks whether its client has gone away."""
 
 log = logging.getLogger(__name__)
 _GROUPS = ("batch", RBAC, "authorization.k8s.io", "authentication.k8s.io")
@@ -153,6 +164,17 @@ def _route(path: str) -> Route | None:
     return Route(res, ns, name, sub)
 
 
+@attrs.frozen
+class _OpenWatch:
+    """A registered watch with its parameters, before its response starts."""
+
+    watcher: Watcher
+    first: list[Event]
+    timeout_s: int | None
+    bookmarks: bool
+    as_table: bool
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _HTTPServer
@@ -163,6 +185,9 @@ class _Handler(BaseHTTPRequestHandler):
         # The handshake runs here, on the connection's thread, so a slow client cannot stall
         # the accept loop.
         conn = self.connection
+        # Without it, Nagle holds a small write (a watch event, a response after its headers)
+        # until the client's delayed ACK of the previous one: 40 ms each.
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if isinstance(conn, ssl.SSLSocket):
             conn.do_handshake()
         with self.server.conn_lock:
@@ -205,6 +230,9 @@ class _Handler(BaseHTTPRequestHandler):
         verb = _verb(method, route, query)
         status = 500
         content_type = "application/json"
+        payload = b""
+        headers: Mapping[str, str] = {}
+        opened: _OpenWatch | None = None
         try:
             if path in (ACCESS_REVIEW, SUBJECT_REVIEW) and method == "POST":
                 # Every authenticated user may ask what it may do and who it is.
@@ -244,20 +272,105 @@ class _Handler(BaseHTTPRequestHandler):
             elif route is not None and route.sub == "log":
                 status, payload = 200, kube._pod_log(method, route)
                 content_type = "text/plain"
+            elif route is not None and verb == "watch":
+                status, opened = 200, self._open_watch(kube, route, query)
             else:
                 status, payload = self._answer(kube, method, path, route, query, body)
         except KubeError as err:
-            status = err.code
-            self._send(status, json.dumps(err.status()).encode(), err.headers)
+            status, payload, headers = err.code, json.dumps(err.status()).encode(), err.headers
         except Exception:
             log.exception("kube stand-in failed on %s %s", method, path)
             status = 500
             bug = KubeError(500, "InternalError", "Internal error occurred: stand-in bug")
-            self._send(status, json.dumps(bug.status()).encode())
-        else:
-            self._send(status, payload, content_type=content_type)
+            payload = json.dumps(bug.status()).encode()
+        # Recorded before the answer goes out, so a client holding its answer finds it counted
+        # (a watch as soon as it is open).
+        record = RequestRecord(
+            method, verb, path, url.query, status, route.res.plural if route else ""
+        )
         with kube._lock:
-            kube.requests.append(RequestRecord(method, verb, path, url.query, status))
+            kube.requests.append(record)
+        if opened is not None:
+            self._watch(kube, opened)
+        else:
+            self._send(status, payload, headers, content_type)
+
+    def _open_watch(self, kube: KubeStandin, route: Route, query: Mapping[str, str]) -> _OpenWatch:
+        """Checks a watch's parameters (`KubeError` 400) and registers it with the store."""
+        timeout_s = _timeout_seconds(query.get("timeoutSeconds", ""))
+        bookmarks = _flag(query, "allowWatchBookmarks")
+        as_table = "as=Table" in (self.headers.get("Accept") or "")
+        watcher, first = kube._open_watch(route.res, route.namespace, query, self.connection)
+        return _OpenWatch(watcher, first, timeout_s, bookmarks, as_table)
+
+    def _watch(self, kube: KubeStandin, opened: _OpenWatch) -> None:
+        """Streams a watch until `timeoutSeconds`, an expired history (an ERROR event), the
+        client leaving or `drop_watches` (then without the final chunk)."""
+        try:
+            self.send_response(200, "OK")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Cache-Control", "no-cache, private")
+            self.end_headers()
+            if self._stream(kube, opened):
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self.close_connection = True
+        except OSError:
+            # The client went away mid-write (or `drop_watches` cut the connection).
+            self.close_connection = True
+        finally:
+            kube._close_watch(opened.watcher)
+
+    def _stream(self, kube: KubeStandin, opened: _OpenWatch) -> bool:
+        """Writes the watch's events; True when it ends cleanly, False when it was dropped or
+        its client has gone."""
+        watcher, timeout_s, bookmarks = opened.watcher, opened.timeout_s, opened.bookmarks
+        res = watcher.selection.res
+
+        def lines(events: list[Event]) -> bytes:
+            if not opened.as_table:
+                return b"".join(e.line() for e in events)
+            return b"".join(
+                json.dumps(
+                    {
+                        "type": e.type,
+                        "object": table_of(
+                            res, [e.obj], {"resourceVersion": e.obj["metadata"]["resourceVersion"]}
+                        ),
+                    }
+                ).encode()
+                + b"\n"
+                for e in events
+            )
+
+        started = time.monotonic()
+        deadline = started + timeout_s if timeout_s else math.inf
+        next_bookmark = started + kube.bookmark_interval_s if bookmarks else math.inf
+        if opened.first:
+            self._chunk(lines(opened.first))
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return True
+            if now >= next_bookmark:
+                self._chunk(bookmark_line(res, watcher.cursor))
+                next_bookmark = now + kube.bookmark_interval_s
+            try:
+                events = kube._next_events(watcher, min(deadline, next_bookmark, now + _LIVENESS_S))
+            except Expired as gone:
+                self._chunk(gone.line())
+                return True
+            if events is None:
+                return False
+            if events:
+                self._chunk(lines(events))
+            elif select.select([self.connection], [], [], 0)[0]:
+                # Readable while nothing was asked of it: the client closed its end.
+                return False
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
     def _answer(
         self,
@@ -277,8 +390,6 @@ class _Handler(BaseHTTPRequestHandler):
         # kubectl asks for server-side printing; without it, it would show NAME and AGE only.
         as_table = "as=Table" in (self.headers.get("Accept") or "") and not sub
         if method == "GET" and not name:
-            if query.get("watch") in ("true", "1"):
-                raise KubeError(405, "MethodNotAllowed", "the stand-in does not serve watch")
             return 200, kube._list(res, ns, query, as_table)
         if method == "GET":
             stored = kube._store[res.plural].get((ns, name))
@@ -335,13 +446,33 @@ class _Handler(BaseHTTPRequestHandler):
 def _verb(method: str, route: Route | None, query: Mapping[str, str]) -> str:
     if method == "GET":
         if route is not None and not route.name:
-            return "watch" if query.get("watch") in ("true", "1") else "list"
+            return "watch" if _flag(query, "watch") else "list"
         return "get"
     if method == "DELETE" and route is not None and not route.name:
         return "deletecollection"
     return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
         method, method.lower()
     )
+
+
+def _flag(query: Mapping[str, str], name: str) -> bool:
+    """A boolean parameter as the apiserver parses it (Go's `strconv.ParseBool`: the official
+    Python client sends `watch=True`)."""
+    return query.get(name, "") in ("1", "t", "T", "true", "TRUE", "True")
+
+
+def _timeout_seconds(text: str) -> int | None:
+    """A watch's `timeoutSeconds`: None when absent or 0 (no limit here; a real apiserver picks
+    a random one of 30 to 60 minutes)."""
+    if not text:
+        return None
+    try:
+        seconds = int(text)
+    except ValueError:
+        seconds = -1
+    if seconds < 0:
+        raise bad_request(f"timeoutSeconds must be a whole number of seconds, not {text!r}")
+    return seconds or None
 
 
 def _delete_policy(res: Resource, query: Mapping[str, str], body: bytes) -> str:
@@ -373,6 +504,7 @@ class RunningKubeStandin:
     _thread: threading.Thread
 
     def stop(self) -> None:
+        self.kube.drop_watches()
         self._httpd.shutdown()
         self._httpd.server_close()
         with self._httpd.conn_lock:

@@ -66,7 +66,7 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(RBAC, "v1", "rolebindings", "RoleBinding", True, (), "rolebinding"),
 )
 BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES}
-VERBS = ["create", "delete", "get", "list", "patch", "update"]
+VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 SA_TOKEN_TYPE = "kubernetes.io/service-account-token"
 SA_NAME_ANNOTATION = "kubernetes.io/service-account.name"
 SA_UID_ANNOTATION = "kubernetes.io/service-account.uid"

@@ -4,7 +4,7 @@ exists), with its error wording for a bad one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -103,3 +103,12 @@ def field_value(obj: Obj, field: str) -> str:
     section, name = field.split(".", 1)
     value = obj.get(section, {}).get(name)
     return "" if value is None else str(value)
+
+
+def selected(obj: Obj, labels: Sequence[Requirement], fields: Sequence[FieldTerm]) -> bool:
+    """Whether `obj` matches every label and field term (as lists and watches filter)."""
+    if labels:
+        obj_labels = obj["metadata"].get("labels") or {}
+        if not all(r.matches(obj_labels) for r in labels):
+            return False
+    return all((field_value(obj, f.field) == f.value) != f.negate for f in fields)

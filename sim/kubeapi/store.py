@@ -1,6 +1,6 @@
 """`KubeStandin`: the stand-in's objects (plain dicts, never mutated: each change stores a new
-dict with its JSON bytes), resourceVersions, paging, owner-reference cascading, the token
-controller, and the faults and hooks tests arm.
+dict with its JSON bytes), resourceVersions and the history of changes watches are served from,
+paging, owner-reference cascading, the token controller, and the faults and hooks tests arm.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import itertools
 import json
 import logging
 import secrets
+import socket
 import ssl
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -52,21 +54,32 @@ from sim.kubeapi.objects import (
     timestamp_now,
 )
 from sim.kubeapi.rbac import Want, binds, check_role_ref, forbidden, token_owner
-from sim.kubeapi.selectors import field_value, parse_field_selector, parse_label_selector
+from sim.kubeapi.selectors import parse_field_selector, parse_label_selector, selected
 from sim.kubeapi.tables import table_of
+from sim.kubeapi.watch import (
+    ADDED,
+    Event,
+    History,
+    Selection,
+    Watcher,
+    delete_change,
+    put_change,
+)
 
 log = logging.getLogger(__name__)
 
 
 @attrs.frozen
 class RequestRecord:
-    """One request as the server saw it (no headers: they carry the token)."""
+    """One request as the server saw it (no headers: they carry the token); `resource` is the
+    plural it addressed ("" for discovery and reviews). A watch is recorded when it ends."""
 
     method: str
     verb: str
     path: str
     query: str
     status: int
+    resource: str = ""
 
 
 @attrs.define
@@ -102,9 +115,22 @@ class KubeStandin:
     All methods are thread-safe. Objects passed in are owned by the server afterwards (it stores
     shallow copies with fresh metadata and never mutates them); objects handed out are the
     stored dicts themselves and must not be mutated either.
+
+    Watches are served from the last `history_limit` changes (of all resources together); a
+    watch with `allowWatchBookmarks` gets a BOOKMARK every `bookmark_interval_s` (a real
+    apiserver: about a minute; tests set it small).
     """
 
-    def __init__(self, directory: Path, token: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        token: str | None = None,
+        *,
+        history_limit: int = 10_000,
+        bookmark_interval_s: float = 60.0,
+    ) -> None:
+        if history_limit < 1:
+            raise ValueError(f"history_limit must be at least 1 change, not {history_limit!r}")
         self.directory = directory
         self.token = token or secrets.token_urlsafe(24)
         self._tokens: dict[str, frozenset[str]] = {self.token: frozenset()}
@@ -113,7 +139,12 @@ class KubeStandin:
         self._sa_tokens: dict[str, Key] = {}
         self._pod_logs: dict[Key, str] = {}
         self._lock = threading.RLock()
+        # Notified, with the lock held, on every change and whenever a watch opens or closes.
+        self._changed = threading.Condition(self._lock)
         self._rv = 0
+        self._history = History(history_limit)
+        self._watchers: set[Watcher] = set()
+        self.bookmark_interval_s = bookmark_interval_s
         self._store: dict[str, dict[Key, _Stored]] = {r.plural: {} for r in RESOURCES}
         self._pods_by_node: dict[str, dict[Key, None]] = {}
         self._key_cache: dict[str, tuple[int, list[Key]]] = {}
@@ -214,6 +245,51 @@ class KubeStandin:
         """(verb, path) -> number of requests."""
         with self._lock:
             return Counter((r.verb, r.path) for r in self.requests)
+
+    def list_count(self, plural: str) -> int:
+        """How many LIST requests (whatever their answer) addressed `plural`, in any namespace;
+        every page of a paged list counts."""
+        with self._lock:
+            return sum(1 for r in self.requests if r.verb == "list" and r.resource == plural)
+
+    # -- watches, for tests
+
+    def watch_count(self) -> int:
+        """How many watch streams are open now."""
+        with self._lock:
+            return len(self._watchers)
+
+    def wait_watches(self, count: int, timeout_s: float = 10.0) -> bool:
+        """Blocks until exactly `count` watch streams are open; False when `timeout_s` passed
+        first. A test calls it before changing what a client that lists then watches must see
+        as an event rather than in its list."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._watchers) == count, timeout_s)
+
+    def drop_watches(self) -> int:
+        """Ends every open watch stream abruptly, as a load balancer or a restarting apiserver
+        does: the connection is closed without the stream's final chunk. Returns how many."""
+        with self._changed:
+            dropped = list(self._watchers)
+            self._watchers.clear()
+            for watcher in dropped:
+                watcher.dropped = True
+                if watcher.sock is not None:
+                    try:
+                        # The plain socket's shutdown: the handler's thread may be writing
+                        # through the TLS layer, which SSLSocket.shutdown would tear down.
+                        socket.socket.shutdown(watcher.sock, socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+            self._changed.notify_all()
+        return len(dropped)
+
+    def expire_history(self) -> None:
+        """Compacts the history: a watch from any resourceVersion older than the current one
+        (and a paged list continued from before now) gets 410 Expired."""
+        with self._changed:
+            self._history.expire(self._rv)
+            self._changed.notify_all()
 
     # -- state for tests
 
@@ -391,6 +467,16 @@ class KubeStandin:
         self._rv += 1
         return str(self._rv)
 
+    def _record_put(self, plural: str, key: Key, stored: _Stored, prev: Obj | None) -> None:
+        """Records a create or update stored at the current resourceVersion (call with the lock)."""
+        self._history.record(put_change(self._rv, plural, key, stored.obj, stored.raw, prev))
+        self._changed.notify_all()
+
+    def _record_delete(self, plural: str, key: Key, prev: Obj) -> None:
+        """Records a deletion at the current resourceVersion (call with the lock)."""
+        self._history.record(delete_change(self._rv, plural, key, prev))
+        self._changed.notify_all()
+
     def _sorted_keys(self, plural: str) -> list[Key]:
         """The resource's keys in order, rebuilt only after a change (call with the lock)."""
         cached = self._key_cache.get(plural)
@@ -451,6 +537,7 @@ class KubeStandin:
                         if old is not None:
                             del table[key]
                             self._forget_token(key, old.obj)
+                            self._record_delete(plural, key, old.obj)
                         return new
                     new = filled
             elif plural in ("rolebindings", "clusterrolebindings"):
@@ -460,9 +547,10 @@ class KubeStandin:
             elif plural == "namespaces":
                 new.setdefault("spec", {"finalizers": ["kubernetes"]})
                 new.setdefault("status", {"phase": "Active"})
-            table[key] = _Stored(new, json.dumps(new, separators=(",", ":")).encode())
+            stored = table[key] = _Stored(new, json.dumps(new, separators=(",", ":")).encode())
             if plural == "pods":
                 self._index_pod(key, old.obj if old else None, new)
+            self._record_put(plural, key, stored, old.obj if old else None)
             return new
 
     def _index_pod(self, key: Key, old: Obj | None, new: Obj | None) -> None:
@@ -480,6 +568,7 @@ class KubeStandin:
             if stored is None:
                 raise not_found(res, name)
             self._bump()
+            self._record_delete(res.plural, key, stored.obj)
             if res.plural == "pods":
                 self._index_pod(key, stored.obj, None)
                 self._pod_logs.pop(key, None)
@@ -713,13 +802,25 @@ class KubeStandin:
         labels = parse_label_selector(query.get("labelSelector", ""))
         fields = parse_field_selector(query.get("fieldSelector", ""))
         limit = int(query.get("limit") or 0)
-        after = _decode_continue(query["continue"]) if query.get("continue") else None
+        after, snapshot_rv = (
+            _decode_continue(query["continue"]) if query.get("continue") else (None, None)
+        )
         items: list[_Stored] = []
         next_key: Key | None = None
         last: Key | None = None
         with self._lock:
             table = self._store[res.plural]
-            rv = str(self._rv)
+            if snapshot_rv is not None and snapshot_rv < self._history.compacted_rv:
+                raise KubeError(
+                    410,
+                    "Expired",
+                    "The provided continue parameter is too old to display a consistent list "
+                    "result. You can start a new list without the continue parameter.",
+                )
+            # Every page of a paged list names the version its first page was read at, as a
+            # real one does, so a watch from it misses nothing that changed while paging
+            # (later pages here show the current state, which the watch then repeats).
+            rv = str(self._rv if snapshot_rv is None else snapshot_rv)
             node_terms = [f for f in fields if f.field == "spec.nodeName" and not f.negate]
             if res.plural == "pods" and node_terms:
                 keys: list[Key] = sorted(self._pods_by_node.get(node_terms[0].value, {}))
@@ -732,15 +833,7 @@ class KubeStandin:
                 if ns and key[0] != ns:
                     continue
                 stored = table[key]
-                obj = stored.obj
-                meta = obj["metadata"]
-                if labels:
-                    obj_labels = meta.get("labels") or {}
-                    if not all(r.matches(obj_labels) for r in labels):
-                        continue
-                if fields and not all(
-                    (field_value(obj, f.field) == f.value) != f.negate for f in fields
-                ):
+                if not selected(stored.obj, labels, fields):
                     continue
                 if limit and len(items) == limit:
                     next_key = last
@@ -749,7 +842,7 @@ class KubeStandin:
                 last = key
         list_meta: Obj = {"resourceVersion": rv}
         if next_key is not None:
-            list_meta["continue"] = _encode_continue(next_key)
+            list_meta["continue"] = _encode_continue(next_key, int(rv))
         if as_table:
             return json.dumps(table_of(res, [s.obj for s in items], list_meta)).encode()
         raw = [s.raw for s in items]
@@ -757,6 +850,55 @@ class KubeStandin:
             {"kind": f"{res.kind}List", "apiVersion": res.api_version, "metadata": list_meta}
         )
         return b"".join((head[:-1].encode(), b',"items":[', b",".join(raw), b"]}"))
+
+    def _open_watch(
+        self, res: Resource, ns: str, query: Mapping[str, str], sock: socket.socket | None
+    ) -> tuple[Watcher, list[Event]]:
+        """Registers a watch; returns it with its first events: a synthetic ADDED for every
+        matching object when `resourceVersion` is absent or "0" (as a real apiserver does;
+        `sendInitialEvents` is ignored), else none: the history supplies those after it."""
+        selection = Selection(
+            res,
+            ns,
+            tuple(parse_label_selector(query.get("labelSelector", ""))),
+            tuple(parse_field_selector(query.get("fieldSelector", ""))),
+        )
+        rv_text = query.get("resourceVersion", "")
+        with self._changed:
+            first: list[Event] = []
+            if rv_text in ("", "0"):
+                table = self._store[res.plural]
+                for key in self._sorted_keys(res.plural):
+                    stored = table[key]
+                    if selection.matches(key, stored.obj):
+                        first.append(Event(ADDED, stored.obj, stored.raw))
+                cursor = self._rv
+            else:
+                cursor = _resource_version(rv_text)
+            watcher = Watcher(selection, cursor, sock)
+            self._watchers.add(watcher)
+            self._changed.notify_all()
+        return watcher, first
+
+    def _next_events(self, watcher: Watcher, until: float) -> list[Event] | None:
+        """The watcher's events after its cursor, waiting for some until `until` (a
+        `time.monotonic()` instant; then []); None once `drop_watches` ended it. Raises
+        `Expired` when the changes after its cursor are no longer kept."""
+        with self._changed:
+            while not watcher.dropped:
+                changes = self._history.since(watcher.cursor)
+                watcher.cursor = self._rv
+                events = [e for c in changes if (e := watcher.selection.event_of(c)) is not None]
+                remaining = until - time.monotonic()
+                if events or remaining <= 0:
+                    return events
+                self._changed.wait(remaining)
+            return None
+
+    def _close_watch(self, watcher: Watcher) -> None:
+        with self._changed:
+            self._watchers.discard(watcher)
+            self._changed.notify_all()
 
     def _create(self, res: Resource, ns: str, body: Obj) -> Obj:
         meta = body.setdefault("metadata", {})
@@ -821,16 +963,27 @@ class KubeStandin:
             return self._put(res.plural, merged, create=False)
 
 
-def _encode_continue(key: Key) -> str:
-    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
+def _encode_continue(key: Key, rv: int) -> str:
+    return base64.urlsafe_b64encode(json.dumps([*key, rv]).encode()).decode()
 
 
-def _decode_continue(token: str) -> Key:
+def _decode_continue(token: str) -> tuple[Key, int]:
+    """The last key served and the resourceVersion the list's first page was read at."""
     try:
-        ns, name = json.loads(base64.urlsafe_b64decode(token.encode()))
-        return (str(ns), str(name))
+        ns, name, rv = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return (str(ns), str(name)), int(rv)
     except (ValueError, TypeError) as exc:
         raise bad_request(f"invalid continue token: {exc}") from None
+
+
+def _resource_version(text: str) -> int:
+    try:
+        rv = int(text)
+    except ValueError:
+        rv = -1
+    if rv < 0:
+        raise bad_request(f"invalid resource version: {text!r}")
+    return rv
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:

@@ -321,6 +321,8 @@ def test_the_join_manifests_grant_only_what_the_controlplane_uses() -> None:
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
     cluster_resources = {res for r in CLUSTER_RULES for res in r["resources"]}
     assert cluster_resources == {"nodes", "pods"}
+    # Events on the worker Jobs: written and counted on, never read back.
+    assert {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]} in rules
 
 
 def test_a_joined_block_loads_as_a_configured_one() -> None:

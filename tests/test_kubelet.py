@@ -26,7 +26,7 @@ from control.kube.planner import (
     PoolSettings,
     job_manifest,
     job_name,
-    plan_pool,
+    plan_objects,
     pod_request,
     token_secret_name,
     with_job_uid,
@@ -247,7 +247,7 @@ async def test_a_killed_agent_fails_its_pod_and_job_and_frees_the_node(
         assert [(c["type"], c["status"]) for c in status["conditions"]] == [("Failed", "True")]
         # The controlplane's planner sees the worker gone and would start the next generation
         # on all three cards.
-        plan = plan_pool(
+        plan = plan_objects(
             SETTINGS, kube.objects("nodes"), kube.pods(), kube.jobs(NAMESPACE), [], time.time()
         )
         assert plan.actions == (

@@ -1,5 +1,8 @@
 """Pools reconciled against the Kubernetes API stand-in, through the official client: machines
-from nodes, worker Jobs where cards are free, Jobs removed where a node or a worker is gone."""
+from nodes, worker Jobs where cards are free, Jobs removed where a node or a worker is gone.
+
+The reconciler runs as in the controlplane, from caches fed by list + watch: a test changes the
+cluster and waits for the pass that sees it (`until`), as a user waits for `machine list`."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import trio
 
 from control.api.server import Controlplane, serve_controlplane
 from control.cli.main import main as cli_main
-from control.kube.adapter import open_kube_client
+from control.kube.caches import Clusters
 from control.kube.loop import PoolReconciler
 from control.kube.pools import load_pools
 from control.registry import WorkerRegistry
@@ -67,15 +70,38 @@ class Clock:
 
 @asynccontextmanager
 async def reconciler(
-    kube: KubeStandin, clock: Callable[[], float] | None = None, **kubernetes: Any
+    kube: KubeStandin,
+    clock: Callable[[], float] | None = None,
+    *,
+    block: dict[str, Any] | None = None,
+    **kubernetes: Any,
 ) -> AsyncIterator[PoolReconciler]:
-    pool = load_pools([pool_block(kube, **kubernetes)]).pools[0]
-    async with trio.open_nursery() as nursery, open_kube_client(pool) as client:
+    """A pool's reconciler running its loop, as the controlplane runs it."""
+    pool = load_pools([block or pool_block(kube, **kubernetes)]).pools[0]
+    async with trio.open_nursery() as nursery:
         registry = WorkerRegistry({}, nursery)
-        yield PoolReconciler(
-            pool, client, registry, controlplane_url=CONTROLPLANE_URL, clock=clock or Clock()
-        )
+        async with Clusters(nursery).use(pool) as cluster:
+            r = PoolReconciler(
+                pool, cluster, registry, controlplane_url=CONTROLPLANE_URL, clock=clock or Clock()
+            )
+            await nursery.start(r.run)
+            yield r
         nursery.cancel_scope.cancel()
+
+
+async def until(r: PoolReconciler, condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    """Until a pass has made `condition` true (checked after each pass)."""
+    with trio.fail_after(timeout_s):
+        while not (r.status.passed_at is not None and condition()):
+            await r.passes.park()
+
+
+def cards(r: PoolReconciler) -> tuple[int, int, int]:
+    """The one machine's (ours, others, free), or (-1, -1, -1) while there is none."""
+    if len(r.status.machines) != 1:
+        return (-1, -1, -1)
+    c = r.status.machines[0].cards
+    return (c.ours, c.others, c.free)
 
 
 def run_pods_of_jobs(kube: KubeStandin) -> None:
@@ -103,35 +129,29 @@ async def test_a_neighbour_holding_two_of_four_cards_leaves_a_two_card_machine(
     kube.add_node(gpu_node("node-1"))
     kube.add_pod(make_pod("neighbour", "node-1", gpu_limit=2))
     async with reconciler(kube) as r:
-        plan = await r.reconcile_once()
-        assert plan is not None
-        (machine,) = plan.machines
-        assert (machine.cards.total, machine.cards.others, machine.cards.free) == (4, 2, 2)
+        await until(r, lambda: bool(kube.jobs()))
         (job,) = kube.jobs()
         assert gpu_request(job) == "2"
         (secret,) = kube.secrets()
         assert secret["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
         # Our worker (its pod now running) is counted: no second Job on later passes.
+        await until(r, lambda: cards(r) == (2, 2, 0))
         await r.reconcile_once()
         await r.reconcile_once()
         assert jobs_created(kube) == 1
-        machine = r.status.machines[0]
-        assert (machine.cards.ours, machine.cards.others, machine.cards.free) == (2, 2, 0)
 
-        # The neighbour scales down: the machine's free cards grow on the next pass.
+        # The neighbour scales down: the machine's free cards grow with the next pass.
         kube.remove_pod("neighbour")
-        await r.reconcile_once()
-        machine = r.status.machines[0]
-        assert (machine.cards.ours, machine.cards.others, machine.cards.free) == (2, 0, 2)
+        await until(r, lambda: cards(r) == (2, 0, 2))
 
 
 async def test_a_full_node_is_no_machine_and_gets_no_worker(kube: KubeStandin) -> None:
     kube.add_node(gpu_node("node-full"))
     kube.add_pod(make_pod("hog", "node-full", gpu_limit=4))
     async with reconciler(kube) as r:
-        plan = await r.reconcile_once()
-    assert plan is not None and plan.machines == ()
-    assert [n.node for n in plan.skipped] == ["node-full"]
+        await until(r, lambda: True)
+    assert r.status.machines == ()
+    assert [n.node for n in r.status.skipped] == ["node-full"]
     assert kube.jobs() == []
 
 
@@ -153,15 +173,21 @@ async def test_a_cordoned_node_stops_being_a_machine_and_loses_its_worker(
     run_pods_of_jobs(kube)
     kube.add_node(gpu_node("node-2"))
     async with reconciler(kube) as r:
-        await r.reconcile_once()
+        await until(r, lambda: cards(r) == (4, 0, 0))
         assert len(kube.jobs()) == 1
         kube.update("nodes", gpu_node("node-2", unschedulable=True))
-        plan = await r.reconcile_once()
-    assert plan is not None and plan.machines == ()
+        await until(r, lambda: not kube.jobs())
+    assert r.status.machines == ()
     assert kube.jobs() == []
     assert kube.secrets() == []  # deleted with its Job
+    # `kubectl describe job` says what levers9 did, and why.
+    events = sorted(kube.objects("events", "levers9"), key=lambda e: str(e["reason"]))
+    assert [(e["reason"], e["message"], e["involvedObject"]["kind"]) for e in events] == [
+        ("Created", "created worker for 4 free card(s) on node-2", "Job"),
+        ("Deleted", "deleted: node is cordoned (unschedulable)", "Job"),
+    ]
 
-    # One line per pass, its counts as fields.
+    # One line per pass that changed something, its counts as fields.
     first, second = pass_lines(caplog)
     assert isinstance(first.pop("duration_s"), float)
     assert isinstance(second.pop("duration_s"), float)
@@ -186,17 +212,18 @@ async def test_the_selector_picks_the_pools_nodes_by_gke_node_pool(kube: KubeSta
     )
     kube.add_node(make_node("t4-1", labels={"cloud.google.com/gke-nodepool": "t4-pool"}))
     async with reconciler(kube, selector={"cloud.google.com/gke-nodepool": "a100-pool"}) as r:
-        plan = await r.reconcile_once()
-    assert plan is not None
-    assert [m.node for m in plan.machines] == ["a100-1"]
+        await until(r, lambda: bool(kube.jobs()))
+    assert [m.node for m in r.status.machines] == ["a100-1"]
     (job,) = kube.jobs()
     assert gpu_request(job) == "8"
+    # The nodes outside the selector were never read: not even into the cache.
+    assert list(r.caches.nodes.items) == ["a100-1"]
 
 
 async def test_a_tunnel_pool_runs_workers_off_the_host_network(kube: KubeStandin) -> None:
     kube.add_node(gpu_node("node-3"))
     async with reconciler(kube, tunnel=True, hostNetwork=False) as r:
-        await r.reconcile_once()
+        await until(r, lambda: bool(kube.jobs()))
     (job,) = kube.jobs()
     pod = job["spec"]["template"]["spec"]
     assert not pod.get("hostNetwork", False)
@@ -210,9 +237,10 @@ async def test_error_storms_create_no_duplicate_workers(kube: KubeStandin) -> No
     kube.add_node(gpu_node("node-4"))
     kube.inject_fault("429", count=3, verb="list", retry_after_s=0)
     kube.inject_fault("500", count=8, verb="create")
-    async with reconciler(kube) as r:
-        for _ in range(4):
-            await r.reconcile_once()
+    async with reconciler(kube, reconcileSeconds=0.2) as r:
+        await until(r, lambda: bool(kube.jobs()) and r.status.error is None)
+        passes = r.pass_count
+        await until(r, lambda: r.pass_count >= passes + 3)
     assert len(kube.jobs()) == 1
     assert len(kube.secrets()) == 1
 
@@ -221,36 +249,38 @@ async def test_an_expired_worker_is_replaced_by_a_fresh_one(kube: KubeStandin) -
     kube.add_node(gpu_node("node-5"))
     clock = Clock()
     async with reconciler(kube, clock=clock) as r:
-        await r.reconcile_once()
+        await until(r, lambda: bool(kube.jobs()))
         (first,) = kube.jobs()
         clock.now += 300  # no heartbeat yet, not expired
         await r.reconcile_once()
         assert [j["metadata"]["name"] for j in kube.jobs()] == [first["metadata"]["name"]]
         clock.now += 400  # ten minutes without a word: its Job goes, a fresh worker comes
         await r.reconcile_once()
-        await r.reconcile_once()
+        await until(r, lambda: len(kube.jobs()) == 1 and kube.jobs()[0] != first)
     (second,) = kube.jobs()
     assert second["metadata"]["name"] != first["metadata"]["name"]
 
 
-async def test_a_bad_token_fails_the_pass_with_the_reason(
+async def test_a_bad_token_fails_the_pass_with_the_reason_logged_once(
     kube: KubeStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="levers9.reconcile")
     kube.add_node(gpu_node("node-6"))
-    block = pool_block(kube)
+    block = pool_block(kube, reconcileSeconds=0.05)
     block["kubernetes"]["credentials"] = {"token": "not-the-token"}
-    pool = load_pools([block]).pools[0]
-    async with trio.open_nursery() as nursery, open_kube_client(pool) as client:
-        r = PoolReconciler(pool, client, WorkerRegistry({}, nursery), controlplane_url="https://x")
-        assert await r.reconcile_once() is None
-        nursery.cancel_scope.cancel()
+    async with reconciler(kube, block=block) as r:
+        await until(r, lambda: r.pass_count >= 4)
     assert r.status.error is not None
     assert "not-the-token" not in r.status.error
+    assert r.status.error.count("pool gpu") == 1
     assert kube.jobs() == []
+    # Failed passes back off (doubling from 0.05 s): far fewer than one per period.
+    # The same error is logged once, however many passes fail with it.
     (line,) = pass_lines(caplog)
     assert line["pool"] == "gpu" and line["error"] == "UNAUTHENTICATED"
     assert (line["nodes"], line["jobs_created"]) == (0, 0)
+    message = next(rec.getMessage() for rec in caplog.records if hasattr(rec, "error"))
+    assert message.count("pool gpu") == 1
 
 
 async def test_machine_list_through_the_controlplane_and_the_cli(
@@ -362,9 +392,15 @@ async def test_a_worker_job_runs_an_agent_that_registers_and_shows_ready(
         with trio.fail_after(30):
             worker = await control.registry.client_for(name)
             assert (await worker.health()).worker_id == name
-        await reconciling.reconcile_once()
-        (machine,) = reconciling.status.machines
-        assert machine.worker is not None and machine.worker.state == "ready"
+        # Its registration wakes a pass: the machine shows it ready, its pod holding the cards.
+        await until(
+            reconciling,
+            lambda: (
+                cards(reconciling) == (4, 0, 0)
+                and reconciling.status.machines[0].worker is not None
+                and reconciling.status.machines[0].worker.state == "ready"
+            ),
+        )
         args = ["--controlplane", f"https://127.0.0.1:{control.port}", "--token", API_TOKEN]
         args += ["--ca", str(pki.ca_file), "machine", "list", "--json"]
         assert await trio.to_thread.run_sync(cli_main, args) == 0

@@ -187,6 +187,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("relative objects path", {"objectsPath": "var/lib"}, f"{K}.objectsPath"),
     ("idle minutes zero", {"idleMinutes": 0}, f"{K}.idleMinutes"),
     ("reconcile seconds zero", {"reconcileSeconds": 0}, f"{K}.reconcileSeconds"),
+    ("qps zero", {"qps": 0}, f"{K}.qps"),
+    ("burst zero", {"burst": 0}, f"{K}.burst"),
     ("bad toleration", {"tolerations": [{"operator": "Maybe"}]}, f"{K}.tolerations[0].operator"),
     (
         "bad selector operator",

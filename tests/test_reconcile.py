@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import re
 from typing import Any
 
@@ -21,17 +22,28 @@ from control.kube.planner import (
     job_manifest,
     job_name,
     label_selector_text,
-    machine_of,
     memory_bytes,
-    plan_pool,
+    node_facts,
+    plan_objects,
+    pod_facts,
     pod_request,
     selector_matches,
     token_secret_name,
     with_job_uid,
 )
+from control.kube.planner import machine_of as machine_of_facts
 from control.models import WorkerState
 
 NOW = 1_700_000_000.0
+plan_pool = plan_objects
+
+
+def machine_of(node: dict[str, Any], pods: list[dict[str, Any]], *args: Any, **kw: Any) -> Any:
+    """`machine_of` over the API's objects, through the facts a cache keeps of them."""
+    facts = [f for f in map(pod_facts, pods) if f is not None]
+    return machine_of_facts(node_facts(node), facts, *args, **kw)
+
+
 SETTINGS = PoolSettings(name="gke-a100", namespace="levers9", image="worker:latest")
 GKE_LABEL = "cloud.google.com/gke-accelerator"
 
@@ -378,6 +390,39 @@ def test_job_on_a_node_that_stopped_being_a_machine_is_deleted(
     plan = plan_pool(SETTINGS, nodes, [pod(gpus=1, ours=True)], [job], [], NOW)
     assert [d.name for d in _deletes(plan.actions)] == [job["metadata"]["name"]]
     assert _creates(plan.actions) == []
+
+
+def not_ready_since(seconds_ago: float) -> dict[str, Any]:
+    changed = node(ready=False)
+    stamp = datetime.datetime.fromtimestamp(NOW - seconds_ago, datetime.UTC)
+    changed["status"]["conditions"][0]["lastTransitionTime"] = stamp.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return changed
+
+
+def test_a_node_not_ready_for_less_than_the_grace_keeps_its_worker_but_is_no_machine() -> None:
+    job = job_for("n1", 0)
+    plan = plan_pool(SETTINGS, [not_ready_since(30)], [pod(gpus=1, ours=True)], [job], [], NOW)
+    assert plan.actions == ()
+    assert [(n.node, n.reason) for n in plan.skipped] == [("n1", "node is not Ready")]
+    # Past the grace (as long as Kubernetes' pods tolerate not-ready), the worker goes.
+    plan = plan_pool(SETTINGS, [not_ready_since(301)], [pod(gpus=1, ours=True)], [job], [], NOW)
+    assert [d.name for d in _deletes(plan.actions)] == [job["metadata"]["name"]]
+
+
+def test_facts_are_equal_when_the_rules_read_the_same() -> None:
+    before = node()
+    heartbeat = node()
+    heartbeat["status"]["conditions"][0]["lastHeartbeatTime"] = "2026-12-03T10:00:00Z"
+    heartbeat["metadata"]["labels"]["unrelated"] = "label"
+    assert node_facts(heartbeat, keep_labels=()) == node_facts(before, keep_labels=())
+    assert node_facts(node(gpus=8)) != node_facts(before)
+    assert node_facts(node(ready=False)) != node_facts(before)
+    running = pod(gpus=1)
+    conditions = pod(gpus=1)
+    conditions["status"]["conditions"] = [{"type": "ContainersReady", "status": "True"}]
+    assert pod_facts(conditions) == pod_facts(running)
+    assert pod_facts(pod(gpus=1, phase="Succeeded")) != pod_facts(running)
+    assert pod_facts(pod(None, gpus=1)) is None  # not bound: holds nothing
 
 
 def test_expired_record_deletes_its_job_then_next_generation_follows() -> None:

@@ -41,6 +41,7 @@ from control.api.endpoints import EndpointProxy
 from control.api.tasks import WORKSPACE_PREFIX, add_task_routes
 from control.config import ControlConfig
 from control.kube.adapter import open_kube_client
+from control.kube.caches import Clusters
 from control.kube.joined import JoinedPoolStore, own_cluster
 from control.kube.loop import PoolReconciler, PoolStatus
 from control.kube.planner import Machine
@@ -117,6 +118,7 @@ class Controlplane:
         self.joined: JoinedPoolStore | None = None
         self._pools_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
+        self._clusters: Clusters | None = None
         self.pool_env: Mapping[str, str] | None = None
         router = self._router()
         dial = add_task_routes(router, dispatcher, self.proxy)
@@ -401,10 +403,11 @@ class Controlplane:
         run = _PoolRun(pool=pool)
         self._pools[pool.name] = run
         try:
-            async with open_kube_client(pool) as kube:
+            assert self._clusters is not None
+            async with self._clusters.use(pool) as cluster:
                 run.reconciler = PoolReconciler(
                     pool,
-                    kube,
+                    cluster,
                     self.registry,
                     controlplane_url=self.config.public_url,
                     extra_env=self.pool_env,
@@ -653,6 +656,7 @@ async def serve_controlplane(
         control = Controlplane(config, registry, dispatcher)
         control.pool_env = pool_env
         control._nursery = nursery
+        control._clusters = Clusters(nursery)
         listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
         port = int(listeners[0].socket.getsockname()[1])
         control.port = port

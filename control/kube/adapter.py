@@ -20,7 +20,14 @@ never reads the message.
 
 Lists are read with `_preload_content=False` and parsed as JSON: this skips the client's
 model classes (slow for thousands of pods) and its debug logging of response bodies, which
-for a Secret would hold the worker token.
+for a Secret would hold the worker token. For the caches (`control.kube.informer`) a page is
+parsed and cut down to its facts in the worker thread (`list_page`), and a watch is an open
+response whose bytes the caller reads in a thread of its own (`watch`, `WatchResponse`); a
+410 Gone, the answer to a version older than the server keeps, is `KubeExpired`.
+
+Every request, each retry and each watch included, first takes a token from the client's
+budget (`qps`, `burst`: a `TokenBucket`, as client-go's clients have one), so a storm of
+creates never floods a cluster other people share.
 """
 
 from __future__ import annotations
@@ -35,11 +42,11 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import trio
@@ -53,6 +60,8 @@ from kubernetes.config.config_exception import ConfigException
 from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
 from agent.wire.errors import ApiError, ErrorCode
 from control.kube.pools import (
+    DEFAULT_BURST,
+    DEFAULT_QPS,
     GKE_SCOPES,
     ClientCertificateCredentials,
     Credentials,
@@ -63,10 +72,12 @@ from control.kube.pools import (
     TokenCredentials,
     read_credentials,
 )
+from control.kube.ratelimit import TokenBucket
 
 __all__ = [
     "KINDS",
     "RETRY",
+    "Collection",
     "EksTokenSource",
     "GkeTokenSource",
     "Kind",
@@ -75,6 +86,7 @@ __all__ = [
     "KubeAuthError",
     "KubeClient",
     "KubeError",
+    "KubeExpired",
     "KubeNotFound",
     "KubeObjects",
     "KubeTlsError",
@@ -85,8 +97,10 @@ __all__ = [
     "KubeconfigError",
     "NotAKubeconfig",
     "Operation",
+    "Page",
     "StaticToken",
     "TokenSource",
+    "WatchResponse",
     "build_api_client",
     "build_kubeconfig_client",
     "call_with_retry",
@@ -148,6 +162,14 @@ class KubeNotFound(KubeError):
 class KubeAlreadyExists(KubeError):
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.ALREADY_EXISTS, message, status=409)
+
+
+class KubeExpired(KubeError):
+    """410 Gone: the resourceVersion (or a list's continue token) is older than the server
+    keeps; the caller lists again from scratch."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, message, status=410)
 
 
 class KubeUnavailable(KubeError):
@@ -292,6 +314,8 @@ def translate_api_exception(exc: ApiException, op: Operation, *, pool: str) -> K
         return KubeNotFound(f"{prefix}: not found ({server_says or '404'})")
     if status == 409:
         return KubeAlreadyExists(f"{prefix}: already exists ({server_says or '409'})")
+    if status == 410:
+        return KubeExpired(f"{prefix}: its version has expired ({server_says or '410'})")
     if _retryable(exc):
         return KubeUnavailable(
             f"{prefix}: the API server answered {status} after {RETRY_ATTEMPTS} tries "
@@ -347,10 +371,14 @@ async def call_with_retry(
     pool: str,
     policy: Backoff = RETRY,
     attempts: int = RETRY_ATTEMPTS,
+    throttle: Callable[[], Awaitable[None]] | None = None,
 ) -> T:
-    """Run blocking `fn` in a thread; retry 429/5xx; raise only `KubeError`s."""
+    """Run blocking `fn` in a thread; retry 429/5xx; raise only `KubeError`s. `throttle` is
+    awaited before every attempt (the client's request budget)."""
     state = BackoffState()
     for attempt in range(1, attempts + 1):
+        if throttle is not None:
+            await throttle()
         try:
             return await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
         except ApiException as exc:
@@ -628,6 +656,70 @@ SECRET_POLL_S = 0.2
 """How often `wait_secret_value` reads the Secret again."""
 
 
+WATCH_SLACK_S = 30.0
+
+
+@attrs.frozen
+class Collection:
+    """What a cache lists and watches: a resource (nodes, pods, jobs, secrets), in one
+    namespace or in all, narrowed by label and field selectors on the server."""
+
+    resource: str
+    namespace: str | None = None
+    label_selector: str = ""
+    field_selector: str = ""
+
+    def describe(self) -> str:
+        where = f" in namespace {self.namespace}" if self.namespace else ""
+        chosen = ",".join(s for s in (self.label_selector, self.field_selector) if s)
+        return f"{self.resource}{where}" + (f" ({chosen})" if chosen else "")
+
+
+@attrs.frozen
+class Page(Generic[T]):
+    """One page of a list: facts by object key, the list's version, and the continue token."""
+
+    items: dict[str, T]
+    resource_version: str
+    continue_token: str | None
+
+
+def object_key(obj: Mapping[str, Any]) -> str:
+    """`namespace/name`, or `name` for a cluster-scoped object."""
+    meta = obj.get("metadata") or {}
+    namespace = meta.get("namespace")
+    return f"{namespace}/{meta.get('name', '')}" if namespace else str(meta.get("name", ""))
+
+
+class WatchResponse:
+    """An open watch: `read` (blocking, in a thread) gives its bytes as they come, b"" at its
+    end; `shutdown` (from any thread) ends a read that waits."""
+
+    def __init__(self, response: Any, translate: Callable[[Exception], KubeError]) -> None:
+        self._response = response
+        self._translate = translate
+
+    def read(self) -> bytes:
+        try:
+            data: bytes = self._response.read1(1 << 16)
+            return data
+        except Exception as exc:
+            raise self._translate(exc) from None
+
+    def shutdown(self) -> None:
+        try:
+            self._response.shutdown()
+        except Exception:  # a connection already gone has nothing to end
+            pass
+
+    def close(self) -> None:
+        try:
+            self._response.release_conn()
+            self._response.close()
+        except Exception:  # nothing to release
+            pass
+
+
 class KubeClient:
     """`KubeApi` and `KubeObjects` over the official client; blocking calls run in worker
     threads."""
@@ -639,6 +731,8 @@ class KubeClient:
         pool: str,
         temp_dir: Path | None = None,
         request_timeout_s: float = 30.0,
+        qps: float = DEFAULT_QPS,
+        burst: int = DEFAULT_BURST,
     ) -> None:
         self._api = api_client
         self._core = k8s.CoreV1Api(api_client)
@@ -648,6 +742,19 @@ class KubeClient:
         self._temp_dir = temp_dir
         # Bounds each blocking call so an abandoned thread ends on its own.
         self._timeout = (min(10.0, request_timeout_s), request_timeout_s)
+        self._budget = TokenBucket(rate=qps, burst=burst)
+        self.throttled_s = 0.0
+        """Seconds callers waited for the budget, for tests and benchmarks."""
+
+    def relabel(self, pools: str) -> None:
+        """The pool name(s) its errors and log lines name (a client shared by pools)."""
+        self._pool = pools
+
+    async def _throttle(self) -> None:
+        wait_s = self._budget.reserve(trio.current_time())
+        if wait_s > 0:
+            self.throttled_s += wait_s
+            await trio.sleep(wait_s)
 
     def __repr__(self) -> str:
         return f"KubeClient(pool={self._pool!r})"
@@ -660,12 +767,22 @@ class KubeClient:
         if self._temp_dir is not None:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
 
-    async def _call(self, op: Operation, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    async def _call(
+        self,
+        op: Operation,
+        fn: Callable[..., Any],
+        *args: Any,
+        parse: Callable[[Any], Any] | None = None,
+        **kw: Any,
+    ) -> Any:
+        """`fn`'s JSON answer, or what `parse` makes of it (in the worker thread)."""
+
         def once() -> Any:
             try:
                 response = fn(*args, _preload_content=False, _request_timeout=self._timeout, **kw)
                 data = response.data
-                return json.loads(data) if data else {}
+                value = json.loads(data) if data else {}
+                return value if parse is None else parse(value)
             except ApiException:
                 raise
             except KubeError:
@@ -673,8 +790,7 @@ class KubeClient:
             except Exception as exc:
                 raise self._translate_other(exc, op) from None
 
-        result = await call_with_retry(once, op, pool=self._pool)
-        return result
+        return await call_with_retry(once, op, pool=self._pool, throttle=self._throttle)
 
     def _translate_other(self, exc: Exception, op: Operation) -> KubeError:
         prefix = f"pool {self._pool}: cannot {op.describe()}"
@@ -746,6 +862,90 @@ class KubeClient:
             op, self._batch.list_namespaced_job, namespace, label_selector=label_selector
         )
 
+    # -- caches: pages of facts, watches (`control.kube.informer`) -------------------------
+
+    def _collection(
+        self, collection: Collection
+    ) -> tuple[Operation, Callable[..., Any], tuple[str, ...]]:
+        resource, namespace = collection.resource, collection.namespace
+        group = "batch" if resource == "jobs" else ""
+        op = Operation("list", resource, group, namespace)
+        if resource == "nodes":
+            return op, self._core.list_node, ()
+        if resource == "pods" and namespace is None:
+            return op, self._core.list_pod_for_all_namespaces, ()
+        if namespace is None:
+            raise ValueError(f"{resource} are listed in one namespace")
+        methods = {
+            "pods": self._core.list_namespaced_pod,
+            "jobs": self._batch.list_namespaced_job,
+            "secrets": self._core.list_namespaced_secret,
+        }
+        return op, methods[resource], (namespace,)
+
+    async def list_page(
+        self,
+        collection: Collection,
+        facts: Callable[[dict[str, Any]], T | None],
+        *,
+        continue_token: str | None = None,
+        limit: int = LIST_PAGE,
+    ) -> Page[T]:
+        """One page of the collection, each object cut down to `facts` (None leaves it out)
+        in the worker thread; `KubeExpired` when the continue token has expired."""
+        op, fn, args = self._collection(collection)
+        kw: dict[str, Any] = {
+            "limit": limit,
+            "label_selector": collection.label_selector,
+            "field_selector": collection.field_selector,
+        }
+        if continue_token:
+            kw["_continue"] = continue_token
+
+        def parse(page: Any) -> Page[T]:
+            items: dict[str, T] = {}
+            for obj in page.get("items") or ():
+                fact = facts(obj)
+                if fact is not None:
+                    items[object_key(obj)] = fact
+            meta = page.get("metadata") or {}
+            return Page(items, str(meta.get("resourceVersion") or ""), meta.get("continue"))
+
+        page: Page[T] = await self._call(op, fn, *args, parse=parse, **kw)
+        return page
+
+    async def watch(
+        self, collection: Collection, resource_version: str, *, timeout_s: int
+    ) -> WatchResponse:
+        """A watch of the collection from `resource_version` with bookmarks, ended by the
+        server after `timeout_s`; the caller reads it (`WatchResponse.read`) in a thread."""
+        op, fn, args = self._collection(collection)
+        op = attrs.evolve(op, verb="watch")
+        # A watch is quiet for at most the time between bookmarks; no byte for longer than
+        # its own timeout means the connection is dead.
+        timeout = (self._timeout[0], float(timeout_s) + WATCH_SLACK_S)
+
+        def once() -> WatchResponse:
+            try:
+                response = fn(
+                    *args,
+                    watch=True,
+                    resource_version=resource_version,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=timeout_s,
+                    label_selector=collection.label_selector,
+                    field_selector=collection.field_selector,
+                    _preload_content=False,
+                    _request_timeout=timeout,
+                )
+            except ApiException:
+                raise
+            except Exception as exc:
+                raise self._translate_other(exc, op) from None
+            return WatchResponse(response, lambda exc: self._translate_other(exc, op))
+
+        return await call_with_retry(once, op, pool=self._pool, throttle=self._throttle)
+
     async def create_job(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
         op = Operation("create", "jobs", "batch", namespace, _name(manifest))
         result: dict[str, Any] = await self._call(
@@ -793,6 +993,29 @@ class KubeClient:
     async def delete_secret(self, namespace: str, name: str) -> None:
         op = Operation("delete", "secrets", "", namespace, name)
         await self._call(op, self._core.delete_namespaced_secret, name, namespace)
+
+    async def create_event(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        op = Operation("create", "events", "", namespace, _name(manifest))
+        result: dict[str, Any] = await self._call(
+            op, self._core.create_namespaced_event, namespace, dict(manifest)
+        )
+        return result
+
+    async def patch_event(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """A strategic merge patch, as client-go's recorder sends (left to itself, the official
+        client labels a dict body a JSON patch, which the API server refuses)."""
+        op = Operation("patch", "events", "", namespace, name)
+        result: dict[str, Any] = await self._call(
+            op,
+            self._core.patch_namespaced_event,
+            name,
+            namespace,
+            dict(patch),
+            _content_type="application/strategic-merge-patch+json",
+        )
+        return result
 
     async def list_secrets(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """The Secrets matching the selector, data included (for the joined-pool store)."""
@@ -947,7 +1170,12 @@ async def open_kube_client(
     """A `KubeClient` for the pool; its connections and temp files go away on exit."""
     api_client, temp_dir = await trio.to_thread.run_sync(build_api_client, pool)
     client = KubeClient(
-        api_client, pool=pool.name, temp_dir=temp_dir, request_timeout_s=request_timeout_s
+        api_client,
+        pool=pool.name,
+        temp_dir=temp_dir,
+        request_timeout_s=request_timeout_s,
+        qps=pool.kubernetes.qps,
+        burst=pool.kubernetes.burst,
     )
     try:
         yield client

@@ -75,8 +75,10 @@ NAMESPACE_RULES: tuple[Mapping[str, Any], ...] = (
         "verbs": ["create", "delete", "get", "list", "watch"],
     },
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
 )
-"""In the pool's namespace only: worker Jobs, their token Secrets, and worker logs."""
+"""In the pool's namespace only: worker Jobs, their token Secrets, worker logs, and the Events
+that say why a Job was created or deleted (`control.kube.events`)."""
 
 
 class JoinError(Exception):

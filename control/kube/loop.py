@@ -1,48 +1,63 @@
-"""Keeps one pool's machines and workers: list, plan, apply, every `reconcileSeconds`.
+"""Keeps one pool's machines and workers: plan from the caches, apply, on a change or a period.
 
 The decisions are `control.kube.planner.plan_pool`'s (pure); this module is the thin I/O around
-it. Each pass lists the pool's nodes (by its selector), every pod (to see what other workloads
-hold) and our Jobs, folds in what the worker registry heard (registrations, tunnels: the
-heartbeats), plans, and applies the plan: a worker Job with its token Secret where a node has
-free cards and no worker of ours, a Job deleted where its node stopped being a machine or its
-worker's record expired. A Job's worker id is the Job's name and its token is minted here; the
-registry accepts it from then on and forgets it when the Job is deleted.
+it. The pool reads its cluster through caches kept by list + watch (`control.kube.caches`): its
+nodes (by its selector), the pods bound to them, and our Jobs and token Secrets. A pass reads
+nothing from the API server: it folds in what the worker registry heard (registrations,
+tunnels: the heartbeats), plans from the caches, and applies the plan: a worker Job with its
+token Secret where a node has free cards and no worker of ours, a Job deleted where its node
+stopped being a machine or its worker's record expired. A Job's worker id is the Job's name
+and its token is minted here; the registry accepts it from then on and forgets it when the Job
+is deleted.
 
-A pass that fails (the cluster answered 401, or stayed unavailable through the adapter's
-retries) changes nothing more and is logged with its reason; the next pass tries again.
+A pass runs every `reconcileSeconds`, and soon after a change that matters to the pool (one of
+its nodes changed what the planner reads of it, a pod on one of its nodes came, went or
+finished, one of its Jobs changed): `COALESCE_S` after the first such change and at least
+`MIN_GAP_S` after the previous pass, so a burst of events makes one pass.
+
+A pass that fails (a cache cannot be kept: the cluster answered 401, or stayed unavailable; a
+write failed) changes nothing more; the next one comes after a backoff (from
+`reconcileSeconds`, doubling, capped, jittered) instead of the period, and changes do not
+hurry it. Its error is logged once while it stays the same, and kept in the pool's status
+(`levers9 cluster list`) until a pass goes through.
 
 Each pass logs one canonical line, its counts as fields (`pool`, `nodes`, `pods`, `jobs`,
 `machines`, `skipped`, `jobs_created`, `jobs_deleted`, `duration_s`; `error` when it failed),
-so a log pipeline filters and graphs passes without parsing the message.
+so a log pipeline filters and graphs passes without parsing the message: at info when it
+changed something or failed anew, else at debug.
 """
 
 from __future__ import annotations
 
-import calendar
 import logging
+import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 import attrs
 import trio
 
+from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
+from agent.wire.errors import ErrorCode
 from control.kube.adapter import KubeAlreadyExists, KubeApi, KubeError, KubeNotFound
+from control.kube.caches import PoolCaches, PoolCluster
+from control.kube.events import EventRecorder
+from control.kube.informer import Change
 from control.kube.planner import (
     POOL_LABEL,
-    TOKEN_KEY,
     CreateJob,
     DeleteJob,
+    JobFacts,
     Machine,
+    NodeFacts,
     NotAMachine,
     Plan,
+    PodFacts,
     PoolSettings,
     Selector,
     WorkerRecord,
-    job_active,
     job_manifest,
-    label_selector_text,
     plan_pool,
     token_secret_name,
     with_job_uid,
@@ -90,16 +105,6 @@ class PoolStatus:
     error: str | None = None
 
 
-def _created_at(job: Mapping[str, Any]) -> float | None:
-    stamp = (job.get("metadata") or {}).get("creationTimestamp")
-    if not stamp:
-        return None
-    try:
-        return float(calendar.timegm(time.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ")))
-    except ValueError:
-        return None
-
-
 @attrs.define
 class PassCounts:
     """What one pass saw and did, for its canonical log line."""
@@ -118,7 +123,17 @@ class PassCounts:
 
 FOLLOW_UP_S = 2.0
 """A pass that created or deleted Jobs is followed this soon by another, so the machines show
-the new workers without waiting a whole `reconcileSeconds`."""
+the workers' registrations without waiting a whole `reconcileSeconds`."""
+COALESCE_S = 0.25
+"""How long a pass waits after the first change that wakes it, for the rest of a burst."""
+MIN_GAP_S = 1.0
+"""The least time between two passes woken by changes."""
+FAILED_CAP_S = 120.0
+"""The longest wait after failed passes (or `reconcileSeconds`, when that is longer)."""
+SYNC_POLL_S = 0.02
+EVENT_WAIT_S = 5.0
+"""The longest a pass waits to record an Event (advisory: a struggling API server must not
+hold up the pass)."""
 
 
 def next_pass_in_s(plan: Plan | None, reconcile_seconds: float) -> float:
@@ -127,13 +142,23 @@ def next_pass_in_s(plan: Plan | None, reconcile_seconds: float) -> float:
     return reconcile_seconds
 
 
+def failure_backoff(reconcile_seconds: float) -> Backoff:
+    return Backoff(
+        initial_s=reconcile_seconds,
+        factor=2.0,
+        cap_s=max(reconcile_seconds, FAILED_CAP_S),
+        stable_s=0.0,
+        jitter=0.2,
+    )
+
+
 class PoolReconciler:
     """One pool's reconcile loop; `run` in the controlplane's nursery."""
 
     def __init__(
         self,
         pool: PoolConfig,
-        kube: KubeApi,
+        cluster: PoolCluster,
         registry: WorkerRegistry,
         *,
         controlplane_url: str,
@@ -142,7 +167,8 @@ class PoolReconciler:
         on_worker_gone: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings_of(pool)
-        self.kube = kube
+        self.kube: KubeApi = cluster.api
+        self.caches: PoolCaches = cluster.caches
         self.registry = registry
         self.controlplane_url = controlplane_url
         self.extra_env = dict(extra_env or {})
@@ -152,44 +178,134 @@ class PoolReconciler:
         self._gone: set[str] = set()
         self.status = PoolStatus(pool=pool.name)
         self.passes = trio.lowlevel.ParkingLot()
+        self.pass_count = 0
         self._namespace_ready = False
-        self._jobs_selector = f"{POOL_LABEL}={worker_labels(pool.name, '')[POOL_LABEL]}"
+        self._pool_label = worker_labels(pool.name, "")[POOL_LABEL]
+        self._jobs_selector = f"{POOL_LABEL}={self._pool_label}"
+        self._woken = trio.Event()
+        self._last_pass = -float("inf")
+        self._failures = BackoffState()
+        self._logged_error: str | None = None
+        self._one_pass_at_a_time = trio.Lock()
+        self.events = EventRecorder(cluster.api, pool=pool.name, clock=clock)
+
+    # -- what wakes a pass ------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self._woken.set()
+
+    def _nodes_changed(self, changes: list[Change[NodeFacts]]) -> None:
+        self._wake()
+
+    def _pods_changed(self, changes: list[Change[PodFacts]]) -> None:
+        nodes = self.caches.nodes.items
+        for change in changes:
+            pod = change.new if change.new is not None else change.old
+            if pod is not None and pod.node in nodes:
+                self._wake()
+                return
+
+    def _jobs_changed(self, changes: list[Change[JobFacts]]) -> None:
+        for change in changes:
+            job = change.new if change.new is not None else change.old
+            if job is not None and job.pool == self._pool_label:
+                self._wake()
+                return
+
+    def _workers_changed(self) -> None:
+        # A worker registering or connecting its tunnel turns its machine ready.
+        if any(r.state is WorkerState.PENDING for r in self.records.values()):
+            self._wake()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        undo = [
+            self.caches.nodes.subscribe(self._nodes_changed),
+            self.caches.pods.subscribe(self._pods_changed),
+            self.caches.jobs.subscribe(self._jobs_changed),
+        ]
+        self.registry.listeners.append(self._workers_changed)
         task_status.started()
-        while True:
-            plan = await self.reconcile_once()
-            await trio.sleep(next_pass_in_s(plan, self.settings.reconcile_seconds))
+        try:
+            await self.wait_synced()
+            while True:
+                plan = await self.reconcile_once()
+                if plan is None:
+                    delay = next_delay(
+                        failure_backoff(self.settings.reconcile_seconds),
+                        self._failures,
+                        random.random(),
+                    )
+                    record_failure(self._failures)
+                    await trio.sleep(delay)
+                    continue
+                self._failures = BackoffState()
+                await self._wait(next_pass_in_s(plan, self.settings.reconcile_seconds))
+        finally:
+            for unsubscribe in undo:
+                unsubscribe()
+            self.registry.listeners.remove(self._workers_changed)
+
+    async def wait_synced(self) -> None:
+        """Until every cache has listed once, or one of them failed (the first pass then
+        reports it)."""
+        caches = self.caches.all()
+        while not all(c.synced.is_set() for c in caches):
+            if any(c.error is not None for c in caches):
+                return
+            await trio.sleep(SYNC_POLL_S)
+
+    async def _wait(self, period_s: float) -> None:
+        """Until the period is over, or soon after a change that matters (coalesced)."""
+        with trio.move_on_after(period_s):
+            await self._woken.wait()
+            since_last = trio.current_time() - self._last_pass
+            await trio.sleep(max(COALESCE_S, MIN_GAP_S - since_last))
+
+    # -- one pass ---------------------------------------------------------------------------
 
     async def reconcile_once(self) -> Plan | None:
-        """One pass; returns its plan, or None when the cluster could not be read or written."""
+        """One pass; returns its plan, or None when a cache could not be kept or a write
+        failed. Passes never overlap."""
+        async with self._one_pass_at_a_time:
+            return await self._reconcile_once()
+
+    async def _reconcile_once(self) -> Plan | None:
+        self._woken = trio.Event()
+        self._last_pass = trio.current_time()
         started = time.monotonic()
         counts = PassCounts()
         name = self.settings.name
+        self.pass_count += 1
         try:
             plan = await self._pass(counts)
         except KubeError as exc:
-            log.warning(
-                "pool %s: reconcile failed: %s",
-                name,
-                exc.message,
-                extra={
-                    "pool": name,
-                    **counts.fields(),
-                    "duration_s": round(time.monotonic() - started, 3),
-                    "error": exc.code.name,
-                },
-            )
+            fields = {
+                "pool": name,
+                **counts.fields(),
+                "duration_s": round(time.monotonic() - started, 3),
+                "error": exc.code.name,
+            }
+            if exc.message != self._logged_error:
+                self._logged_error = exc.message
+                # The message names the pool already.
+                log.warning("reconcile failed: %s", exc.message, extra=fields)
+            else:
+                log.debug("reconcile failed again: %s", exc.message, extra=fields)
             self.status = attrs.evolve(self.status, error=exc.message, passed_at=self.clock())
             self.passes.unpark_all()
             return None
+        if self._logged_error is not None:
+            log.info("pool %s: reconcile passes again", name, extra={"pool": name})
+            self._logged_error = None
         self.status = PoolStatus(
             pool=name,
             machines=plan.machines,
             skipped=plan.skipped,
             passed_at=self.clock(),
         )
-        log.info(
+        level = logging.INFO if plan.actions else logging.DEBUG
+        log.log(
+            level,
             "pool %s: %d node(s), %d machine(s), %d skipped; %d job(s) created, %d deleted",
             name,
             counts.nodes,
@@ -206,22 +322,38 @@ class PoolReconciler:
         self.passes.unpark_all()
         return plan
 
+    def _cache_error(self) -> KubeError | None:
+        for cache in self.caches.all():
+            if cache.error is not None:
+                return cache.error
+        for cache in self.caches.all():
+            if not cache.synced.is_set():
+                return KubeError(
+                    ErrorCode.UNAVAILABLE,
+                    f"pool {self.settings.name}: the {cache.collection.describe()} cache has "
+                    "not listed yet",
+                )
+        return None
+
     async def _pass(self, counts: PassCounts) -> Plan:
+        error = self._cache_error()
+        if error is not None:
+            raise error
         namespace = self.settings.namespace
         if not self._namespace_ready:
             await self.kube.ensure_namespace(namespace)
             self._namespace_ready = True
-        nodes = await self.kube.list_nodes(label_selector_text(self.settings.selector))
+        nodes = self.caches.nodes.items
         counts.nodes = len(nodes)
-        pods = await self.kube.list_pods()
+        pods = [pod for pod in self.caches.pods.items.values() if pod.node in nodes]
         counts.pods = len(pods)
-        jobs = await self.kube.list_jobs(namespace, self._jobs_selector)
+        jobs = [job for job in self.caches.jobs.items.values() if job.pool == self._pool_label]
         counts.jobs = len(jobs)
         now = self.clock()
-        await self._adopt_tokens(jobs)
+        self._adopt_tokens(jobs)
         await self._note_finished(jobs)
         self._fold_in(jobs, now)
-        plan = plan_pool(self.settings, nodes, pods, jobs, self.records.values(), now)
+        plan = plan_pool(self.settings, nodes.values(), pods, jobs, self.records.values(), now)
         counts.machines = len(plan.machines)
         counts.skipped = len(plan.skipped)
         for action in plan.actions:
@@ -233,49 +365,43 @@ class PoolReconciler:
                 counts.jobs_deleted += 1
         return plan
 
-    async def _adopt_tokens(self, jobs: list[dict[str, Any]]) -> None:
-        """A Job started before this controlplane (re)started: read its worker's token back
-        from the Job's Secret, so the worker can register and reconnect its tunnel."""
+    def _adopt_tokens(self, jobs: list[JobFacts]) -> None:
+        """A Job started before this controlplane (re)started: take its worker's token from
+        the Job's Secret (cached), so the worker can register and reconnect its tunnel."""
+        tokens = self.caches.secrets.items
         for job in jobs:
-            name = str((job.get("metadata") or {}).get("name", ""))
-            if not name or self.registry.knows(name) or not job_active(job):
+            if self.registry.knows(job.name) or not job.active:
                 continue
-            token = await self.kube.read_secret_value(
-                self.settings.namespace, token_secret_name(name), TOKEN_KEY
-            )
+            token = tokens.get(f"{self.settings.namespace}/{token_secret_name(job.name)}")
             if token:
-                self.registry.add_worker(name, token)
+                self.registry.add_worker(job.name, token)
                 log.info(
                     "pool %s: adopted worker %s",
                     self.settings.name,
-                    name,
-                    extra={"pool": self.settings.name, "worker": name},
+                    job.name,
+                    extra={"pool": self.settings.name, "worker": job.name},
                 )
 
-    async def _note_finished(self, jobs: list[dict[str, Any]]) -> None:
+    async def _note_finished(self, jobs: list[JobFacts]) -> None:
         """A worker whose Job has ended (the agent exited or was killed) is gone: whatever it
         was running is lost."""
         for job in jobs:
-            name = str((job.get("metadata") or {}).get("name", ""))
-            if not name or job_active(job) or name in self._gone:
+            if job.active or job.name in self._gone:
                 continue
-            self._gone.add(name)
+            self._gone.add(job.name)
             if self.on_worker_gone is not None:
-                await self.on_worker_gone(name, f"its Job {name} ended")
+                await self.on_worker_gone(job.name, f"its Job {job.name} ended")
 
-    def _fold_in(self, jobs: list[dict[str, Any]], now: float) -> None:
+    def _fold_in(self, jobs: list[JobFacts], now: float) -> None:
         """Records for Jobs we did not start in this process (a controlplane restart), and the
         heartbeats the registry heard."""
         for job in jobs:
-            meta = job.get("metadata") or {}
-            name = str(meta.get("name", ""))
-            if name and name not in self.records:
-                node = str((meta.get("annotations") or {}).get("levers9.dev/node", ""))
-                self.records[name] = WorkerRecord(
-                    job_name=name,
-                    node=node,
+            if job.name not in self.records:
+                self.records[job.name] = WorkerRecord(
+                    job_name=job.name,
+                    node=job.node,
                     state=WorkerState.PENDING,
-                    created_at=_created_at(job) or now,
+                    created_at=job.created_at or now,
                 )
         for name, record in list(self.records.items()):
             seen = self.registry.last_seen(name, now)
@@ -313,6 +439,12 @@ class PoolReconciler:
                 extra={"pool": self.settings.name, "worker": action.name, "node": action.node},
             )
             return False
+        with trio.move_on_after(EVENT_WAIT_S):
+            await self.events.record(
+                job,
+                "Created",
+                f"created worker for {action.cards} free card(s) on {action.node}",
+            )
         uid = str((job.get("metadata") or {}).get("uid", ""))
         try:
             await self.kube.create_secret(namespace, with_job_uid(manifests.secret, uid))
@@ -339,6 +471,16 @@ class PoolReconciler:
 
     async def _delete(self, action: DeleteJob) -> None:
         namespace = self.settings.namespace
+        cached = self.caches.jobs.items.get(f"{namespace}/{action.name}")
+        job = {
+            "metadata": {
+                "name": action.name,
+                "namespace": namespace,
+                "uid": cached.uid if cached is not None else "",
+            }
+        }
+        with trio.move_on_after(EVENT_WAIT_S):
+            await self.events.record(job, "Deleted", f"deleted: {action.reason}")
         for delete, name in (
             (self.kube.delete_job, action.name),
             (self.kube.delete_secret, token_secret_name(action.name)),

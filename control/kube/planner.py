@@ -1,10 +1,13 @@
 """The reconcile planner: Kubernetes nodes, pods and Jobs in; machines and Job actions out.
 
-Everything here is pure. The caller lists nodes, pods and our Jobs (the API's JSON dicts, as
-the Kubernetes API returns them), hands them over with the worker records and the time, and
-carries out the returned `Plan`; no function here performs I/O, so every rule (what is a
-machine, what is free, when to start or stop a worker) is unit-tested directly and stays the
-same whichever client applies it.
+Everything here is pure. The caller keeps nodes, pods and our Jobs as the few facts the rules
+read (`node_facts`, `pod_facts`, `job_facts` make them from the API's JSON dicts, so a cache of
+thousands of nodes and a hundred thousand pods stays small), hands them over with the worker
+records and the time, and carries out the returned `Plan`; no function here performs I/O, so
+every rule (what is a machine, what is free, when to start or stop a worker) is unit-tested
+directly and stays the same whichever client applies it. Two facts are equal exactly when the
+rules would decide the same from them, so a cache wakes the planner only for changes that
+matter.
 
 Free resources are counted as the scheduler counts them: allocatable minus every non-terminal
 pod bound to the node, Pending included (GPUs from limits, CPU and memory from requests, see
@@ -341,6 +344,8 @@ class PoolSettings:
     idle_minutes: float = 5.0
     reconcile_seconds: float = 15.0
     ttl_seconds_after_finished: int = 600
+    not_ready_grace_s: float = 300.0
+    """As long as Kubernetes' own pods tolerate `node.kubernetes.io/not-ready` by default."""
 
 
 @attrs.frozen
@@ -406,22 +411,128 @@ class NotAMachine:
     reason: str
 
 
+# --- facts: what the rules read of nodes, pods and Jobs ------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class NodeFacts:
+    """A node as the rules see it. `labels` holds only the labels a caller asked to keep (the
+    pool selectors' keys) and those `machine_of` shows; `ready_since` is when its Ready
+    condition last changed (epoch seconds, None when not reported)."""
+
+    name: str
+    labels: Mapping[str, str]
+    ready: bool
+    ready_since: float | None
+    unschedulable: bool
+    taints: tuple[Mapping[str, str], ...]
+    allocatable: tuple[int, int, int]
+
+
+@attrs.frozen(slots=True)
+class PodFacts:
+    """A pod bound to a node: its phase and what the scheduler counts for it, and whether it
+    is one of our workers."""
+
+    node: str
+    phase: str
+    request: tuple[int, int, int]
+    ours: bool
+
+
+@attrs.frozen(slots=True)
+class JobFacts:
+    """One of our worker Jobs: its node, generation, pool label, uid and whether it may run."""
+
+    name: str
+    node: str
+    generation: int
+    created_at: float | None
+    active: bool
+    pool: str = ""
+    uid: str = ""
+
+
+_SHOWN_LABELS = frozenset({"kubernetes.io/hostname", *GPU_MODEL_LABELS})
+
+
+def node_facts(node: Mapping[str, Any], keep_labels: Iterable[str] | None = None) -> NodeFacts:
+    """The facts of a Node dict; `keep_labels` limits the labels kept (None keeps all)."""
+    metadata = node.get("metadata") or {}
+    labels: Mapping[str, str] = metadata.get("labels") or {}
+    if keep_labels is not None:
+        keep = _SHOWN_LABELS.union(keep_labels)
+        labels = {k: v for k, v in labels.items() if k in keep}
+    spec = node.get("spec") or {}
+    status = node.get("status") or {}
+    ready = False
+    ready_since = None
+    for condition in status.get("conditions") or ():
+        if condition.get("type") == "Ready":
+            ready = condition.get("status") == "True"
+            ready_since = _timestamp(condition.get("lastTransitionTime"))
+            break
+    allocatable = status.get("allocatable") or {}
+    return NodeFacts(
+        name=str(metadata.get("name", "")),
+        labels=dict(labels),
+        ready=ready,
+        ready_since=ready_since,
+        unschedulable=bool(spec.get("unschedulable")),
+        taints=tuple(
+            {k: str(t[k]) for k in ("key", "value", "effect") if t.get(k) is not None}
+            for t in spec.get("taints") or ()
+            if t.get("effect") in ("NoSchedule", "NoExecute")
+        ),
+        allocatable=_triple(allocatable, allocatable),
+    )
+
+
+def pod_facts(pod: Mapping[str, Any]) -> PodFacts | None:
+    """The facts of a Pod dict; None for a pod not bound to a node (it holds nothing yet)."""
+    node = (pod.get("spec") or {}).get("nodeName")
+    if not node:
+        return None
+    return PodFacts(
+        node=str(node),
+        phase=str((pod.get("status") or {}).get("phase") or ""),
+        request=_pod_triple(pod),
+        ours=is_our_worker(pod),
+    )
+
+
+def job_facts(job: Mapping[str, Any]) -> JobFacts | None:
+    """The facts of one of our Job dicts; None for a Job that names no node."""
+    metadata = job.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    annotations = metadata.get("annotations") or {}
+    node = annotations.get(NODE_ANNOTATION) or labels.get(NODE_LABEL)
+    if not node:
+        return None
+    try:
+        generation = int(labels.get(GENERATION_LABEL, "0"))
+    except ValueError:
+        generation = 0
+    return JobFacts(
+        name=str(metadata.get("name", "")),
+        node=str(node),
+        generation=generation,
+        created_at=_timestamp(metadata.get("creationTimestamp")),
+        active=job_active(job),
+        pool=str(labels.get(POOL_LABEL, "")),
+        uid=str(metadata.get("uid", "")),
+    )
+
+
 def is_our_worker(obj: Mapping[str, Any]) -> bool:
     """A pod or Job of ours, told by its labels."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
     return labels.get(MANAGED_BY_LABEL) == MANAGER and labels.get(NAME_LABEL) == WORKER_NAME
 
 
-def _ready(node: Mapping[str, Any]) -> bool:
-    for condition in (node.get("status") or {}).get("conditions") or ():
-        if condition.get("type") == "Ready":
-            return bool(condition.get("status") == "True")
-    return False
-
-
 def machine_of(
-    node: Mapping[str, Any],
-    pods: Iterable[Mapping[str, Any]],
+    node: NodeFacts,
+    pods: Iterable[PodFacts],
     our_worker: WorkerView | None,
     *,
     pool: str = "",
@@ -429,34 +540,26 @@ def machine_of(
 ) -> Machine | NotAMachine:
     """What `node` offers given the pods bound to it (others are skipped), or why it offers
     nothing. `our_worker` is the state of our worker there, shown on the machine."""
-    metadata = node.get("metadata") or {}
-    name: str = metadata.get("name", "")
-    labels: Mapping[str, str] = metadata.get("labels") or {}
-    spec = node.get("spec") or {}
-    if not _ready(node):
+    name = node.name
+    if not node.ready:
         return NotAMachine(name, "node is not Ready")
-    if spec.get("unschedulable"):
+    if node.unschedulable:
         return NotAMachine(name, "node is cordoned (unschedulable)")
     tolerations = tuple(tolerations)
-    for taint in spec.get("taints") or ():
-        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(
-            taint, tolerations
-        ):
+    for taint in node.taints:
+        if not _tolerated(taint, tolerations):
             return NotAMachine(
                 name, f"node has taint {taint.get('key')}:{taint.get('effect')} not tolerated"
             )
-    allocatable = (node.get("status") or {}).get("allocatable") or {}
-    capacity = _list_resources(allocatable, allocatable)
+    capacity = Resources(*node.allocatable)
     if capacity.gpus <= 0:
         return NotAMachine(name, f"node has no allocatable {GPU_RESOURCE}")
     ours_g = others_g = used_c = used_m = 0
     for pod in pods:
-        if (pod.get("spec") or {}).get("nodeName") != name:
+        if pod.node != name or pod.phase in TERMINAL_PHASES:
             continue
-        if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
-            continue
-        g, c, m = _pod_triple(pod)
-        if is_our_worker(pod):
+        g, c, m = pod.request
+        if pod.ours:
             ours_g += g
         else:
             others_g += g
@@ -475,6 +578,7 @@ def machine_of(
     )
     if cards.free == 0 and cards.ours == 0:
         return NotAMachine(name, "node is full: other pods hold every card")
+    labels = node.labels
     return Machine(
         pool=pool,
         node=name,
@@ -544,15 +648,6 @@ class Plan:
     actions: tuple[CreateJob | DeleteJob, ...]
 
 
-@attrs.frozen
-class _Job:
-    name: str
-    node: str
-    generation: int
-    created_at: float | None
-    active: bool
-
-
 def _timestamp(text: str | None) -> float | None:
     if not text:
         return None
@@ -575,31 +670,11 @@ def job_active(job: Mapping[str, Any]) -> bool:
     return not _finished(job) and not (job.get("metadata") or {}).get("deletionTimestamp")
 
 
-def _read_job(job: Mapping[str, Any]) -> _Job | None:
-    metadata = job.get("metadata") or {}
-    labels = metadata.get("labels") or {}
-    annotations = metadata.get("annotations") or {}
-    node = annotations.get(NODE_ANNOTATION) or labels.get(NODE_LABEL)
-    if not node:
-        return None
-    try:
-        generation = int(labels.get(GENERATION_LABEL, "0"))
-    except ValueError:
-        generation = 0
-    return _Job(
-        name=metadata.get("name", ""),
-        node=node,
-        generation=generation,
-        created_at=_timestamp(metadata.get("creationTimestamp")),
-        active=job_active(job),
-    )
-
-
 def plan_pool(
     settings: PoolSettings,
-    nodes: Sequence[Mapping[str, Any]],
-    pods: Iterable[Mapping[str, Any]],
-    jobs: Iterable[Mapping[str, Any]],
+    nodes: Iterable[NodeFacts],
+    pods: Iterable[PodFacts],
+    jobs: Iterable[JobFacts],
     records: Iterable[WorkerRecord],
     now: float,
     *,
@@ -607,27 +682,27 @@ def plan_pool(
 ) -> Plan:
     """One reconcile pass for one pool.
 
-    `nodes` are the listed nodes (those not matching the selector are skipped), `pods` every
-    pod (bound ones are indexed by node once), `jobs` this pool's worker Jobs, `records` the
+    `nodes` are the cached nodes (those not matching the selector are skipped), `pods` the
+    bound pods (indexed by node once), `jobs` this pool's worker Jobs, `records` the
     controlplane's worker records. A worker counts on a node while its Job is active (not
     finished, not being deleted, record not expired) or one of our worker pods is still bound
     there (a deleted worker's pod holds its cards until it is gone). Rules:
 
     - an expired record (no heartbeat for `expire_after_s`, counted from creation while
       pending) deletes its Job; a later pass may then create the next generation;
-    - a Job on a node that is no longer a machine (gone, NotReady, cordoned, untolerated
-      taint, full) is deleted;
+    - a Job on a node that is no longer a machine (gone, cordoned, untolerated taint, full,
+      NotReady for `not_ready_grace_s` or since an unknown time) is deleted; a node NotReady
+      for less than that keeps its worker (a flapping kubelet does not cost running tasks)
+      but is no machine;
     - a machine with free cards and no worker of ours gets a Job for all its free cards, named
       for the next generation after every Job and record seen for the node.
 
     A Job without a record is counted as a pending worker and never expired here: after a
     controlplane restart its agent registers again.
     """
-    pods_by_node: dict[str, list[Mapping[str, Any]]] = {}
+    pods_by_node: dict[str, list[PodFacts]] = {}
     for pod in pods:
-        node_name = (pod.get("spec") or {}).get("nodeName")
-        if node_name:
-            pods_by_node.setdefault(node_name, []).append(pod)
+        pods_by_node.setdefault(pod.node, []).append(pod)
     records_by_job = {record.job_name: record for record in records}
     generations: dict[str, int] = {}
     for known in records_by_job.values():
@@ -635,12 +710,9 @@ def plan_pool(
         tail = known.job_name.rpartition("-")[2]
         if tail.isdigit():
             generations[known.node] = max(generations.get(known.node, -1), int(tail))
-    live_jobs: dict[str, list[_Job]] = {}
+    live_jobs: dict[str, list[JobFacts]] = {}
     actions: list[CreateJob | DeleteJob] = []
-    for raw in jobs:
-        job = _read_job(raw)
-        if job is None:
-            continue
+    for job in jobs:
         generations[job.node] = max(generations.get(job.node, -1), job.generation)
         record = records_by_job.get(job.name)
         if job.active and record is not None and now - record.last_seen() >= expire_after_s:
@@ -655,9 +727,8 @@ def plan_pool(
     skipped: list[NotAMachine] = []
     seen_nodes: set[str] = set()
     for node in nodes:
-        metadata = node.get("metadata") or {}
-        name = metadata.get("name", "")
-        if not selector_matches(metadata.get("labels") or {}, settings.selector):
+        name = node.name
+        if not selector_matches(node.labels, settings.selector):
             continue
         seen_nodes.add(name)
         node_jobs = live_jobs.get(name, [])
@@ -668,12 +739,10 @@ def plan_pool(
         )
         if isinstance(result, NotAMachine):
             skipped.append(result)
-            actions.extend(DeleteJob(job.name, result.reason) for job in node_jobs)
+            if not _in_not_ready_grace(node, settings, now):
+                actions.extend(DeleteJob(job.name, result.reason) for job in node_jobs)
             continue
-        if view is None and any(
-            is_our_worker(pod) and (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES
-            for pod in node_pods
-        ):
+        if view is None and any(pod.ours and pod.phase not in TERMINAL_PHASES for pod in node_pods):
             view = WorkerView(WorkerState.STOPPING, 0.0)
             result = attrs.evolve(result, worker=view)
         machines.append(result)
@@ -697,8 +766,37 @@ def plan_pool(
     return Plan(tuple(machines), tuple(skipped), tuple(actions))
 
 
+def plan_objects(
+    settings: PoolSettings,
+    nodes: Iterable[Mapping[str, Any]],
+    pods: Iterable[Mapping[str, Any]],
+    jobs: Iterable[Mapping[str, Any]],
+    records: Iterable[WorkerRecord],
+    now: float,
+    **kw: Any,
+) -> Plan:
+    """`plan_pool` over objects as the API returns them (a list, not a cache)."""
+    return plan_pool(
+        settings,
+        [node_facts(n) for n in nodes],
+        [f for f in map(pod_facts, pods) if f is not None],
+        [f for f in map(job_facts, jobs) if f is not None],
+        records,
+        now,
+        **kw,
+    )
+
+
+def _in_not_ready_grace(node: NodeFacts, settings: PoolSettings, now: float) -> bool:
+    return (
+        not node.ready
+        and node.ready_since is not None
+        and now - node.ready_since < settings.not_ready_grace_s
+    )
+
+
 def _worker_view(
-    node_jobs: Sequence[_Job], records: Mapping[str, WorkerRecord], now: float
+    node_jobs: Sequence[JobFacts], records: Mapping[str, WorkerRecord], now: float
 ) -> WorkerView | None:
     if not node_jobs:
         return None

@@ -56,6 +56,7 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("", "v1", "nodes", "Node", False, ("no",), "node"),
     Resource("", "v1", "pods", "Pod", True, ("po",), "pod"),
     Resource("", "v1", "secrets", "Secret", True, (), "secret"),
+    Resource("", "v1", "events", "Event", True, ("ev",), "event"),
     Resource("batch", "v1", "jobs", "Job", True, (), "job"),
     Resource("", "v1", "serviceaccounts", "ServiceAccount", True, ("sa",), "serviceaccount"),
     Resource(RBAC, "v1", "clusterroles", "ClusterRole", False, (), "clusterrole"),
@@ -76,7 +77,28 @@ LIMITED_USER = "system:serviceaccount:standin:limited"
 ACCESS_REVIEW = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 SUBJECT_REVIEW = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
 DISCOVERY_PATHS = ("/api", "/apis", "/version", "/openapi")
-FIELDS = {"metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"}
+FIELDS = frozenset({"metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"})
+"""The field labels a field selector may name, for resources without their own set below."""
+EVENT_FIELDS = frozenset(
+    {
+        "metadata.name",
+        "metadata.namespace",
+        "involvedObject.kind",
+        "involvedObject.namespace",
+        "involvedObject.name",
+        "involvedObject.uid",
+        "involvedObject.apiVersion",
+        "involvedObject.resourceVersion",
+        "involvedObject.fieldPath",
+        "reason",
+        "reportingComponent",
+        "source",
+        "type",
+    }
+)
+"""An Event's field labels, the apiserver's own set (`kubectl describe` selects a Job's events
+by `involvedObject.*`); `source` is `source.component`, or `reportingComponent` without one."""
+FIELDS_OF: Mapping[str, frozenset[str]] = {"events": EVENT_FIELDS}
 GPU = "nvidia.com/gpu"
 
 

@@ -1,5 +1,5 @@
 """Objects as a cluster makes them: GPU nodes, pods with requests and limits, the defaults the
-apiserver fills into a Secret or a Job.
+apiserver fills into a Secret or a Job, and its checks of a core/v1 Event.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import base64
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
-from sim.kubeapi.model import GPU, Obj
+from sim.kubeapi.model import GPU, KubeError, Obj
 
 
 def timestamp_now() -> str:
@@ -230,3 +230,33 @@ def default_job(job: Obj) -> Obj:
     if not meta.get("labels"):
         meta["labels"] = dict(tmeta["labels"])
     return {**job, "spec": spec, "status": job.get("status") or {}}
+
+
+def check_event(event: Obj) -> None:
+    """The apiserver's validation of a core/v1 Event on create and update (its "legacy" rules):
+    without `eventTime`, `involvedObject.namespace` must be the Event's own; with one (an Event
+    in the newer shape), `reportingComponent`, `reportingInstance` and `action` are required and
+    the message is at most 1024 characters. Raises `KubeError` 422."""
+    meta = event["metadata"]
+    involved = event.get("involvedObject") or {}
+    problems = []
+    if not event.get("eventTime"):
+        if (involved.get("namespace") or "") not in ("", meta["namespace"]):
+            problems.append(
+                f'involvedObject.namespace: Invalid value: "{involved["namespace"]}": '
+                "does not match event.namespace"
+            )
+    else:
+        for field in ("reportingComponent", "reportingInstance", "action"):
+            if not event.get(field):
+                problems.append(f"{field}: Required value")
+        if len(str(event.get("message") or "")) > 1024:
+            problems.append('message: Invalid value: "": can have at most 1024 characters')
+    if problems:
+        listed = problems[0] if len(problems) == 1 else f"[{', '.join(problems)}]"
+        raise KubeError(
+            422,
+            "Invalid",
+            f'Event "{meta["name"]}" is invalid: {listed}',
+            {"name": meta["name"], "kind": "events"},
+        )

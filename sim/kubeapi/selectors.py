@@ -5,10 +5,11 @@ exists), with its error wording for a bad one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
-from sim.kubeapi.model import FIELDS, Obj, bad_request
+from sim.kubeapi.model import FIELDS, FIELDS_OF, Obj, bad_request
 
 
 @attrs.frozen
@@ -78,8 +79,10 @@ class FieldTerm:
     negate: bool
 
 
-def parse_field_selector(selector: str) -> list[FieldTerm]:
-    """Parses `field=value`, `field==value`, `field!=value` terms over the supported fields."""
+def parse_field_selector(selector: str, plural: str = "") -> list[FieldTerm]:
+    """Parses `field=value`, `field==value`, `field!=value` terms over the fields resource
+    `plural` supports (`FIELDS_OF`, else `FIELDS`)."""
+    supported = FIELDS_OF.get(plural, FIELDS)
     terms = []
     for term in (t.strip() for t in selector.split(",")):
         if not term:
@@ -93,15 +96,20 @@ def parse_field_selector(selector: str) -> list[FieldTerm]:
         else:
             raise bad_request(f"invalid selector: {selector!r}; can't understand {term!r}")
         field = field.strip()
-        if field not in FIELDS:
+        if field not in supported:
             raise bad_request(f'field label not supported: "{field}"')
         terms.append(FieldTerm(field, value.strip(), negate))
     return terms
 
 
 def field_value(obj: Obj, field: str) -> str:
-    section, name = field.split(".", 1)
-    value = obj.get(section, {}).get(name)
+    if field == "source":
+        # An Event's reporter: the legacy `source.component`, else `reportingComponent`.
+        source = (obj.get("source") or {}).get("component") or obj.get("reportingComponent")
+        return str(source or "")
+    value: Any = obj
+    for part in field.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
     return "" if value is None else str(value)
 
 

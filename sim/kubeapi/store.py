@@ -45,6 +45,7 @@ from sim.kubeapi.model import (
     resource_of,
 )
 from sim.kubeapi.objects import (
+    check_event,
     default_job,
     default_secret,
     job_node,
@@ -80,6 +81,8 @@ class RequestRecord:
     query: str
     status: int
     resource: str = ""
+    at: float = attrs.field(factory=time.monotonic)
+    """When the server recorded it (`time.monotonic`)."""
 
 
 @attrs.define
@@ -544,6 +547,8 @@ class KubeStandin:
                 check_role_ref(res, new, old.obj if old is not None else None)
             elif plural == "jobs" and old is None:
                 new = default_job(new)
+            elif plural == "events":
+                check_event(new)
             elif plural == "namespaces":
                 new.setdefault("spec", {"finalizers": ["kubernetes"]})
                 new.setdefault("status", {"phase": "Active"})
@@ -800,7 +805,7 @@ class KubeStandin:
         self, res: Resource, ns: str, query: Mapping[str, str], as_table: bool = False
     ) -> bytes:
         labels = parse_label_selector(query.get("labelSelector", ""))
-        fields = parse_field_selector(query.get("fieldSelector", ""))
+        fields = parse_field_selector(query.get("fieldSelector", ""), res.plural)
         limit = int(query.get("limit") or 0)
         after, snapshot_rv = (
             _decode_continue(query["continue"]) if query.get("continue") else (None, None)
@@ -861,7 +866,7 @@ class KubeStandin:
             res,
             ns,
             tuple(parse_label_selector(query.get("labelSelector", ""))),
-            tuple(parse_field_selector(query.get("fieldSelector", ""))),
+            tuple(parse_field_selector(query.get("fieldSelector", ""), res.plural)),
         )
         rv_text = query.get("resourceVersion", "")
         with self._changed:

@@ -10,11 +10,15 @@ from sim.kubeapi.model import Obj, Resource
 
 
 def _age(obj: Obj) -> str:
-    created = obj["metadata"].get("creationTimestamp")
-    if not created:
+    return _since(obj["metadata"].get("creationTimestamp"))
+
+
+def _since(stamp: str | None) -> str:
+    """How long ago a timestamp (seconds, or an Event's microseconds) was, as kubectl prints it."""
+    if not stamp:
         return "<unknown>"
-    then = datetime.strptime(created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
-    seconds = int((datetime.now(UTC) - then).total_seconds())
+    then = datetime.strptime(stamp.split(".")[0].rstrip("Z"), "%Y-%m-%dT%H:%M:%S")
+    seconds = int((datetime.now(UTC) - then.replace(tzinfo=UTC)).total_seconds())
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds // size}{unit}"
@@ -53,6 +57,15 @@ def _row(res: Resource, obj: Obj) -> list[Any]:
     if res.plural in ("rolebindings", "clusterrolebindings"):
         ref = obj.get("roleRef") or {}
         return [name, f"{ref.get('kind', '')}/{ref.get('name', '')}", _age(obj)]
+    if res.plural == "events":
+        involved = obj.get("involvedObject") or {}
+        last = (
+            obj.get("lastTimestamp")
+            or obj.get("eventTime")
+            or obj["metadata"].get("creationTimestamp")
+        )
+        what = f"{str(involved.get('kind', '')).lower()}/{involved.get('name', '')}"
+        return [_since(last), obj.get("type", ""), obj.get("reason", ""), what, obj.get("message")]
     return [name, status.get("phase", ""), _age(obj)]
 
 
@@ -61,6 +74,7 @@ _COLUMNS = {
     "pods": ["Name", "Ready", "Status", "Restarts", "Age"],
     "jobs": ["Name", "Status", "Completions", "Duration", "Age"],
     "secrets": ["Name", "Type", "Data", "Age"],
+    "events": ["Last Seen", "Type", "Reason", "Object", "Message"],
     "namespaces": ["Name", "Status", "Age"],
     "serviceaccounts": ["Name", "Secrets", "Age"],
     "roles": ["Name", "Created At"],

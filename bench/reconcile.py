@@ -1,30 +1,49 @@
-"""Reconcile at scale: the planner's CPU time, and a whole pass against `kubectl get` of the
-same lists from the same API server, in one run.
+"""Reconcile at scale, from watch-fed caches: how long the caches take to fill and plan, what a
+pass costs once they have, how soon a change shows, what the caches hold in memory and read
+from the API server in steady state; and the planner's CPU time. One run, beside `kubectl get`
+of every pod from the same API server.
 
-- Planner: the cluster is built in memory as the Kubernetes API returns it (node, pod and Job
-  dicts): 5,000 GPU nodes and 100,000 pods (1,000 and 20,000 with `--quick`). Nodes vary the
-  way real pools do: some NotReady or cordoned, neighbours holding some or all cards, our
-  workers on a share of the nodes with records, a few of them expired. `planner_cpu_s` is
-  `time.process_time` around `control.kube.planner.plan_pool` (median of the repeats), so other
-  people's load on the machine's cores does not enter it. Target: < 1 s for the full size.
-- Pass: the Kubernetes stand-in (`python -m sim.kubeapi`, its own process, TLS) serves as many
-  nodes, each with 20 pods and a running worker of ours (the steady state after the first
-  pass). `pass_wall_s` is one `PoolReconciler.reconcile_once` (list the pool's nodes, every pod
-  and the pool's Jobs through the official client, plan, apply), `pass_cpu_s` the CPU it took in
-  this process. The first pass after a controlplane start also reads every worker's token
-  Secret back; it is timed on its own (`first_pass_wall_s`) and is not a steady-state pass.
-- Anchor: the same reads by the reference client, `kubectl get` of the pool's nodes, every pod
-  (``-A``) and the pool's Jobs, each in pages of `LIST_PAGE` (``--chunk-size``) as our client
-  pages, one after the other as our pass lists them: wall time, and kubectl's CPU (its rusage).
-  With ``-o name`` kubectl asks for the whole objects, as our client does (its default table is
-  a different request, ``as=Table``, which the stand-in answers more slowly), so the server does
-  the same work for both and the ratio compares the clients: kubectl decoding every object
-  against our client decoding them and planning. kubectl's discovery cache is filled before
-  timing, as a user's would be; each of its three runs pays its start-up, which
-  `kubectl_startup_s` (``kubectl version --client``) shows. Ours and kubectl take turns; each
-  figure is the median of its turns.
+- Cluster: the Kubernetes stand-in (`python -m sim.kubeapi`, its own process, TLS) serves 5,000
+  8-card nodes with 20 pods each, a card held by every fourth, and a running worker of ours on
+  every node holding 3 (1,000 nodes with `--quick`): the steady state after the first pass.
+- `initial_sync_s`: from entering `Clusters.use` (client, node, pod, Job and Secret informers:
+  paged lists, then watches) and starting `PoolReconciler.run`, to its first pass's status
+  (`passed_at`). A fresh cache and reconciler each turn; the median of the turns.
+- `cache_rss_mb`: this process's RSS growth over the first turn's sync (the first, before
+  anything large was freed whose room would hide it). It includes the facts the four caches
+  keep, the official client with its connection pool and TLS context, the worker threads the
+  lists and watches read in, and whatever of the lists' transient JSON the allocator keeps
+  rather than returns.
+- `pass_wall_s`, `pass_cpu_s`: one steady-state `reconcile_once` from the filled caches (plan,
+  nothing to apply), wall time and this process's CPU; the median of `passes`.
+- `steady_bytes_per_min`: the watch bytes the informers read (`Informer.bytes_read`) over a quiet
+  window of `--steady-s` seconds, per minute. Nothing changes then, so what comes is bookmarks:
+  the stand-in sends one per watch every ``min(60, steady_s / 2)`` s (an apiserver: about a
+  minute), so the window sees a few and the figure is at most twice an apiserver's.
+  `full_list_bytes` is what one full list of the pods moves: the bodies of the pod cache's own
+  paged list (500 a page), fetched raw through the official client.
+- `change_to_plan_s`: a neighbour's one-card pod deleted through the API (the official client),
+  from the delete's return to the first pass whose status shows the freed card on its node; a
+  different node each time, each after a quiet `MIN_GAP_S` (as a change in steady state comes),
+  the median of `changes`. It includes the watch's delivery, the loop's `COALESCE_S` and the
+  pass.
+- Planner: a cluster built in memory as the API returns it (5,000 GPU nodes and 100,000 pods;
+  1,000 and 20,000 with `--quick`; some nodes NotReady or cordoned, neighbours holding some or
+  all cards, our workers on every third node with records, a few expired). `facts_cpu_s`
+  converts its dicts to facts as the caches do, `planner_cpu_s` is `plan_pool` over them:
+  `time.process_time` (median of `repeats`), so other people's load does not enter it.
+- Anchor: ``kubectl get pods -A --chunk-size=500 -o json`` (the same pages, the whole objects,
+  its output thrown away), kubectl's discovery cache filled first as a user's would be; ours
+  and kubectl's take turns, each figure the median of its turns. `kubectl_startup_s` (``kubectl
+  version --client``) is what each of its runs pays before it asks anything.
 
-    python -m bench.reconcile [--quick] --json FILE
+What bounds the initial sync is decoding the pod list in this process: at 1,000 nodes and
+21,000 pods (20 MB in 42 pages; one thread, timed page by page) the pod list took 0.60 s of a
+0.83 s sync, `json.loads` 0.35 s of it, the fetch (the stand-in serving, TLS) 0.18 s, the facts
+0.07 s. kubectl is slower at the same pages for the same reason: its JSON decoding costs about
+150 ms of CPU a page while the server answers each in milliseconds (``-v=6``).
+
+    python -m bench.reconcile [--quick] [--steady-s S] --json FILE
 
 Needs kubectl on PATH (as `tests/test_kube_standin.py` and `bench.join` use it). The sizes go
 in the report's ``inputs``.
@@ -33,8 +52,8 @@ in the report's ``inputs``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import random
 import shutil
 import statistics
@@ -42,46 +61,90 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
+import psutil
 import trio
 import yaml
+from kubernetes import client as k8s
 
 from bench.report import Results, publish, ratios_of
-from control.kube.adapter import LIST_PAGE, open_kube_client
-from control.kube.loop import PoolReconciler
+from control.kube.adapter import LIST_PAGE, build_api_client
+from control.kube.caches import BOUND_LIVE_PODS, Clusters, PoolCluster
+from control.kube.loop import MIN_GAP_S, PoolReconciler
 from control.kube.planner import (
-    POOL_LABEL,
+    JobFacts,
+    NodeFacts,
+    PodFacts,
     PoolSettings,
     Selector,
     WorkerRecord,
+    job_facts,
     job_manifest,
     job_name,
+    node_facts,
     plan_pool,
-    worker_labels,
+    pod_facts,
 )
-from control.kube.pools import load_pools
+from control.kube.pools import PoolConfig, load_pools
 from control.models import WorkerState
 from control.registry import WorkerRegistry
 
-QUICK = {"nodes": 1_000, "pods": 20_000, "repeats": 3, "passes": 1}
-FULL = {"nodes": 5_000, "pods": 100_000, "repeats": 3, "passes": 3}
+BOOKMARK_S = 60.0
+"""An apiserver's bookmark interval, about."""
+
+
+@attrs.frozen
+class Size:
+    """What one run measures on: the clusters' sizes, how many samples of each figure, and
+    the steady window's length."""
+
+    nodes: int
+    pods: int
+    repeats: int
+    """Planner runs over the in-memory cluster."""
+    turns: int
+    """Initial syncs of ours, and kubectl lists, taking turns."""
+    passes: int
+    changes: int
+    steady_s: float
+
+    @property
+    def pods_per_node(self) -> int:
+        return max(1, self.pods // self.nodes)
+
+    @property
+    def bookmark_s(self) -> float:
+        """How often the stand-in sends each watch a bookmark."""
+        return min(BOOKMARK_S, self.steady_s / 2)
+
+
+QUICK = Size(nodes=1_000, pods=20_000, repeats=3, turns=3, passes=5, changes=3, steady_s=20.0)
+FULL = Size(nodes=5_000, pods=100_000, repeats=3, turns=3, passes=5, changes=5, steady_s=60.0)
 POOL = "bench"
 POOL_SELECTOR = {"pool": POOL}
 """The labels `sim.kubeapi`'s synthetic nodes carry."""
 WORKER_NAMESPACE = "levers9"
 """Where `sim.kubeapi --workers-of-pool` puts our Jobs."""
+NEIGHBOUR_NAMESPACE = "work"
+"""Where `sim.kubeapi`'s synthetic pods are; ``p-NODE-000`` holds a card."""
+CONTROLPLANE_URL = "https://levers9.bench.test"
 STANDIN_START_DEADLINE_S = 600.0
 """Filling the stand-in with the full size takes a while on a small machine."""
 STANDIN_STOP_GRACE_S = 10.0
-RATIOS = {
-    "pass_wall_vs_kubectl": ("pass_wall_s", "kubectl_wall_s"),
-    "pass_cpu_vs_kubectl": ("pass_cpu_s", "kubectl_cpu_s"),
-}
+CHANGE_DEADLINE_S = 60.0
+RATIOS = {"initial_sync_vs_kubectl": ("initial_sync_s", "kubectl_list_pods_s")}
+"""Ours over an anchor."""
+FIGURE_RATIOS = {"steady_bytes_vs_full_list": ("steady_bytes_per_min", "full_list_bytes")}
+"""Ours over ours: a figure against what the design saves."""
+TARGET = (
+    "target: pass_wall_s <= 0.5 at 5,000 nodes and 100,000 pods, change_to_plan_s <= 2, "
+    "initial_sync_vs_kubectl <= 1.5, steady_bytes_vs_full_list < 0.01, planner_cpu_s < 1"
+)
 NOW = 1_700_000_000.0
 SETTINGS = PoolSettings(
     name="bench",
@@ -93,6 +156,9 @@ SETTINGS = PoolSettings(
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+# --- the planner over an in-memory cluster ---------------------------------------------------
 
 
 def _node(index: int, rng: random.Random) -> dict[str, Any]:
@@ -148,7 +214,7 @@ def _pod(node: str, index: int, rng: random.Random) -> dict[str, Any]:
 def build_cluster(
     node_count: int, pod_count: int, seed: int = 9
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]], list[WorkerRecord]]:
-    """Nodes, pods, our Jobs and their records, as one reconcile pass would list them."""
+    """Nodes, pods, our Jobs (API dicts) and their records."""
     rng = random.Random(seed)
     nodes = [_node(index, rng) for index in range(node_count)]
     names = [node["metadata"]["name"] for node in nodes]
@@ -176,45 +242,66 @@ def build_cluster(
     return nodes, pods, jobs, records
 
 
-def measure_planner_cpu_s(
-    cluster: tuple[list[Any], list[Any], list[Any], list[WorkerRecord]], repeats: int
-) -> tuple[float, int, int]:
-    """Median CPU seconds of `plan_pool` over the cluster, the machines and actions it found."""
-    nodes, pods, jobs, records = cluster
-    times: list[float] = []
-    machines = actions = 0
-    for _ in range(repeats):
-        start = time.process_time()
-        plan = plan_pool(SETTINGS, nodes, pods, jobs, records, NOW)
-        times.append(time.process_time() - start)
-        machines, actions = len(plan.machines), len(plan.actions)
-    return statistics.median(times), machines, actions
+Facts = tuple[list[NodeFacts], list[PodFacts], list[JobFacts]]
+
+
+def to_facts(nodes: list[Any], pods: list[Any], jobs: list[Any]) -> Facts:
+    """The dicts as the caches keep them (nodes with the labels the selector reads)."""
+    keep = SETTINGS.selector.labels.keys()
+    return (
+        [node_facts(node, keep) for node in nodes],
+        [fact for fact in map(pod_facts, pods) if fact is not None],
+        [fact for fact in map(job_facts, jobs) if fact is not None],
+    )
 
 
 @attrs.frozen
-class PassSamples:
-    """What `measure_passes` saw: one sample per timed pass and per kubectl run."""
-
-    first_wall_s: float
-    wall_s: list[float]
-    cpu_s: list[float]
-    kubectl_wall_s: list[float]
-    kubectl_cpu_s: list[float]
-    kubectl_startup_s: list[float]
+class PlannerSamples:
+    facts_cpu_s: float
+    planner_cpu_s: float
     machines: int
     actions: int
+    pods: int
+
+
+def measure_planner(size: Size) -> PlannerSamples:
+    """Median CPU seconds of converting the in-memory cluster to facts, and of `plan_pool`
+    over the facts."""
+    nodes, pods, jobs, records = build_cluster(size.nodes, size.pods)
+    facts_times: list[float] = []
+    plan_times: list[float] = []
+    machines = actions = 0
+    for _ in range(size.repeats):
+        start = time.process_time()
+        node_list, pod_list, job_list = to_facts(nodes, pods, jobs)
+        facts_times.append(time.process_time() - start)
+        start = time.process_time()
+        plan = plan_pool(SETTINGS, node_list, pod_list, job_list, records, NOW)
+        plan_times.append(time.process_time() - start)
+        machines, actions = len(plan.machines), len(plan.actions)
+    return PlannerSamples(
+        facts_cpu_s=statistics.median(facts_times),
+        planner_cpu_s=statistics.median(plan_times),
+        machines=machines,
+        actions=actions,
+        pods=len(pods),
+    )
+
+
+# --- the caches and the loop against the stand-in ---------------------------------------------
 
 
 @asynccontextmanager
 async def open_kube_standin_process(
-    directory: Path, node_count: int, pods_per_node: int
+    directory: Path, node_count: int, pods_per_node: int, bookmark_s: float = BOOKMARK_S
 ) -> AsyncIterator[Path]:
     """``python -m sim.kubeapi`` with a synthetic cluster and our worker on every node, in its
     own process; yields its kubeconfig, stops it on exit (it also exits when its stdin closes)."""
     command = [sys.executable, "-m", "sim.kubeapi", str(directory)]
     command += ["--nodes", str(node_count), "--pods-per-node", str(pods_per_node)]
+    command += ["--workers-of-pool", POOL, "--bookmark-interval-s", str(bookmark_s)]
     server = await trio.lowlevel.open_process(
-        [*command, "--workers-of-pool", POOL], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     try:
         assert server.stdout is not None
@@ -263,36 +350,66 @@ def kubectl_base(kubectl: str, kubeconfig: Path, cache_dir: Path) -> list[str]:
     return [kubectl, "--kubeconfig", str(kubeconfig), "--cache-dir", str(cache_dir)]
 
 
-def kubectl_commands(base: Sequence[str]) -> list[list[str]]:
-    """The anchor: the three lists a pass reads, in the same pages and order."""
-    paged = f"--chunk-size={LIST_PAGE}"
-    nodes = ",".join(f"{key}={value}" for key, value in POOL_SELECTOR.items())
-    jobs = f"{POOL_LABEL}={worker_labels(POOL, '')[POOL_LABEL]}"
-    return [
-        [*base, "get", "nodes", "-l", nodes, paged, "-o", "name"],
-        [*base, "get", "pods", "-A", paged, "-o", "name"],
-        [*base, "get", "jobs", "-n", WORKER_NAMESPACE, "-l", jobs, paged, "-o", "name"],
-    ]
+def kubectl_list_pods(base: Sequence[str]) -> list[str]:
+    """The anchor: every pod, in the pages our pod cache lists in, as whole objects."""
+    return [*base, "get", "pods", "-A", f"--chunk-size={LIST_PAGE}", "-o", "json"]
 
 
-def _children_cpu_s() -> float:
-    times = os.times()
-    return times.children_user + times.children_system
-
-
-async def time_kubectl(commands: Sequence[Sequence[str]]) -> tuple[float, float]:
-    """Wall and CPU seconds of running `commands` one after the other. The CPU is that of the
-    children reaped meanwhile: only these, as the stand-in is reaped at the very end."""
-    cpu_before = _children_cpu_s()
+async def time_command(command: Sequence[str]) -> float:
+    """Wall seconds of running `command`, its output thrown away (not kept in this process,
+    whose memory the caches' figure reads)."""
     began = time.perf_counter()
-    for command in commands:
-        await trio.run_process(list(command), capture_stdout=True, capture_stderr=True)
-    return time.perf_counter() - began, _children_cpu_s() - cpu_before
+    await trio.run_process(list(command), stdout=subprocess.DEVNULL, capture_stderr=True)
+    return time.perf_counter() - began
 
 
-async def time_pass(reconciler: PoolReconciler) -> tuple[float, float, int, int]:
-    """Wall and CPU seconds (this process) of one pass, and the machines and actions of its
-    plan."""
+@contextmanager
+def raw_core_api(pool: PoolConfig) -> Iterator[k8s.CoreV1Api]:
+    """The official client as the adapter builds it, for what the benchmark does beside the
+    reconciler (blocking: call it in a thread)."""
+    api_client, temp_dir = build_api_client(pool)
+    try:
+        yield k8s.CoreV1Api(api_client)
+    finally:
+        api_client.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def full_list_bytes(core: k8s.CoreV1Api) -> int:
+    """The body bytes of one full paged list of the pods, as the pod cache lists them."""
+    total = 0
+    token: str | None = None
+    while True:
+        kw: dict[str, Any] = {"limit": LIST_PAGE, "field_selector": BOUND_LIVE_PODS}
+        if token:
+            kw["_continue"] = token
+        response = core.list_pod_for_all_namespaces(_preload_content=False, **kw)
+        data: bytes = response.data
+        total += len(data)
+        token = (json.loads(data).get("metadata") or {}).get("continue")
+        if not token:
+            return total
+
+
+def heartbeat(registry: WorkerRegistry) -> None:
+    """Every adopted worker heard from now, as a connected one is: the stand-in's Jobs run no
+    agent, and a record that hears nothing for `EXPIRE_AFTER_S` would have its Job deleted in
+    the middle of a full run."""
+    now = time.time()
+    for entry in registry.entries():
+        entry.registered_at = now
+
+
+async def wait_pass(reconciler: PoolReconciler, seen: Callable[[], bool] = lambda: True) -> None:
+    """Until a pass has made `seen` true (checked now, then after each pass)."""
+    while not (reconciler.status.passed_at is not None and seen()):
+        await reconciler.passes.park()
+    if reconciler.status.error is not None:
+        raise RuntimeError(f"the pass failed: {reconciler.status.error}")
+
+
+async def time_pass(reconciler: PoolReconciler) -> tuple[float, float, int]:
+    """Wall and CPU seconds (this process) of one pass, and the machines of its plan."""
     cpu_before = time.process_time()
     began = time.perf_counter()
     plan = await reconciler.reconcile_once()
@@ -300,121 +417,215 @@ async def time_pass(reconciler: PoolReconciler) -> tuple[float, float, int, int]
     cpu_s = time.process_time() - cpu_before
     if plan is None:
         raise RuntimeError(f"the pass failed: {reconciler.status.error}")
-    return wall_s, cpu_s, len(plan.machines), len(plan.actions)
+    return wall_s, cpu_s, len(plan.machines)
 
 
-async def measure_passes(
-    workdir: Path, node_count: int, pods_per_node: int, passes: int
-) -> PassSamples:
-    """A first pass (untimed for the figures, its wall time kept), then `passes` of ours and
-    of kubectl's, taking turns, against one stand-in."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        raise RuntimeError("kubectl is not on PATH; the reconcile benchmark's anchor needs it")
-    async with open_kube_standin_process(workdir / "kube", node_count, pods_per_node) as kubeconfig:
-        pool = load_pools([pool_block(kubeconfig)]).pools[0]
-        base = kubectl_base(kubectl, kubeconfig, workdir / "kubectl-cache")
-        commands = kubectl_commands(base)
-        # Fill kubectl's discovery cache, as any earlier use of kubectl would have.
-        await trio.run_process([*base, "api-resources", "-o", "name"], capture_stdout=True)
-        samples: dict[str, list[float]] = {
-            "wall": [],
-            "cpu": [],
-            "kubectl_wall": [],
-            "kubectl_cpu": [],
-            "kubectl_startup": [],
-        }
-        async with trio.open_nursery() as nursery, open_kube_client(pool) as client:
-            reconciler = PoolReconciler(
-                pool, client, WorkerRegistry({}, nursery), controlplane_url="https://x"
+def free_cards(reconciler: PoolReconciler, node: str) -> int | None:
+    for machine in reconciler.status.machines:
+        if machine.node == node:
+            return machine.cards.free
+    return None
+
+
+def shows_free(reconciler: PoolReconciler, node: str, cards: int) -> bool:
+    return free_cards(reconciler, node) == cards
+
+
+@attrs.define
+class WatchSamples:
+    """What `measure_watch` saw: one sample per turn, pass and change."""
+
+    sync_s: list[float] = attrs.field(factory=list)
+    rss_growth_bytes: int = 0
+    pass_wall_s: list[float] = attrs.field(factory=list)
+    pass_cpu_s: list[float] = attrs.field(factory=list)
+    change_s: list[float] = attrs.field(factory=list)
+    steady_bytes_per_min: float = 0.0
+    full_list_bytes: int = 0
+    kubectl_s: list[float] = attrs.field(factory=list)
+    kubectl_startup_s: list[float] = attrs.field(factory=list)
+
+
+async def steady_state(
+    reconciler: PoolReconciler,
+    cluster: PoolCluster,
+    registry: WorkerRegistry,
+    pool: PoolConfig,
+    size: Size,
+    samples: WatchSamples,
+) -> None:
+    """Changes one by one as the loop sees them, the quiet window's bytes, a full list's, then
+    passes of our own. The passes come last: a `reconcile_once` from outside the loop replaces
+    the event the loop waits on for changes, so changes after it would wait for the period."""
+    with raw_core_api(pool) as core:
+        for change in range(size.changes):
+            index = change * size.nodes // size.changes
+            node = f"node-{index:05d}"
+            before = free_cards(reconciler, node)
+            if before is None:
+                raise RuntimeError(f"{node} is no machine; the change would show nowhere")
+            heartbeat(registry)
+            await trio.sleep(MIN_GAP_S)
+            await trio.to_thread.run_sync(
+                core.delete_namespaced_pod, f"p-{index:05d}-000", NEIGHBOUR_NAMESPACE
             )
-            first_wall_s, _, machines, actions = await time_pass(reconciler)
-            _say(f"first pass: {machines} machines, {actions} actions, {first_wall_s:.2f} s")
+            deleted = time.perf_counter()
+            freed = functools.partial(shows_free, reconciler, node, before + 1)
+            with trio.fail_after(CHANGE_DEADLINE_S):
+                await wait_pass(reconciler, freed)
+            samples.change_s.append(time.perf_counter() - deleted)
+            _say(f"change {change + 1}/{size.changes}: {node} {samples.change_s[-1]:.3f} s")
 
-            async def ours() -> None:
-                nonlocal machines, actions
-                wall_s, cpu_s, machines, actions = await time_pass(reconciler)
-                samples["wall"].append(wall_s)
-                samples["cpu"].append(cpu_s)
+        heartbeat(registry)
+        caches = cluster.caches.all()
+        lists_before = [cache.lists for cache in caches]
+        bytes_before = sum(cache.bytes_read for cache in caches)
+        await trio.sleep(size.steady_s)
+        steady_bytes = sum(cache.bytes_read for cache in caches) - bytes_before
+        if [cache.lists for cache in caches] != lists_before:
+            raise RuntimeError("a cache listed again in the quiet window: it was no steady state")
+        samples.steady_bytes_per_min = steady_bytes * 60.0 / size.steady_s
+        samples.full_list_bytes = await trio.to_thread.run_sync(full_list_bytes, core)
+        _say(
+            f"steady: {steady_bytes} bytes in {size.steady_s:g} s; a full list of the pods: "
+            f"{samples.full_list_bytes} bytes"
+        )
 
-            async def kubectl_get() -> None:
-                wall_s, cpu_s = await time_kubectl(commands)
-                samples["kubectl_wall"].append(wall_s)
-                samples["kubectl_cpu"].append(cpu_s)
-                startup_s, _ = await time_kubectl([[kubectl, "version", "--client"]])
-                samples["kubectl_startup"].append(startup_s)
-
-            for turn in range(passes):
-                for step in (ours, kubectl_get) if turn % 2 == 0 else (kubectl_get, ours):
-                    await step()
-                _say(
-                    f"pass {turn + 1}/{passes}: {machines} machines, {actions} actions, "
-                    f"{samples['wall'][-1]:.2f} s ({samples['cpu'][-1]:.2f} s CPU); kubectl "
-                    f"{samples['kubectl_wall'][-1]:.2f} s ({samples['kubectl_cpu'][-1]:.2f} s CPU)"
-                )
-            nursery.cancel_scope.cancel()
-    return PassSamples(
-        first_wall_s=first_wall_s,
-        wall_s=samples["wall"],
-        cpu_s=samples["cpu"],
-        kubectl_wall_s=samples["kubectl_wall"],
-        kubectl_cpu_s=samples["kubectl_cpu"],
-        kubectl_startup_s=samples["kubectl_startup"],
-        machines=machines,
-        actions=actions,
+    heartbeat(registry)
+    for _ in range(size.passes):
+        wall_s, cpu_s, machines = await time_pass(reconciler)
+        samples.pass_wall_s.append(wall_s)
+        samples.pass_cpu_s.append(cpu_s)
+    _say(
+        f"passes: {machines} machines, median {statistics.median(samples.pass_wall_s):.3f} s "
+        f"({statistics.median(samples.pass_cpu_s):.3f} s CPU)"
     )
 
 
-def run_benchmark(size: Mapping[str, int], workdir: Path) -> tuple[Results, dict[str, float]]:
-    """The planner over an in-memory cluster, then the passes against kubectl, at `size`
-    (keys as `QUICK`'s); the report's sections and its inputs."""
-    pods_per_node = max(1, size["pods"] // size["nodes"])
-    _say(f"{size['nodes']} nodes, {size['pods']} pods, {size['repeats']} planner repeats")
-    cluster = build_cluster(size["nodes"], size["pods"])
-    planner_cpu_s, machines, actions = measure_planner_cpu_s(cluster, size["repeats"])
-    _say(f"planner: {machines} machines, {actions} actions, {planner_cpu_s:.3f} s CPU")
-    planner_pods = len(cluster[1])
-    del cluster  # not needed for the passes, and large
-    _say(f"passes: {size['passes']} of ours and of kubectl's, taking turns")
-    passes = trio.run(measure_passes, workdir, size["nodes"], pods_per_node, size["passes"])
+async def measure_watch(workdir: Path, size: Size) -> WatchSamples:
+    """Initial syncs of ours and kubectl's lists taking turns against one stand-in; in the
+    last turn of ours, the steady state."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise RuntimeError("kubectl is not on PATH; the reconcile benchmark's anchor needs it")
+    samples = WatchSamples()
+    standin = open_kube_standin_process(
+        workdir / "kube", size.nodes, size.pods_per_node, size.bookmark_s
+    )
+    async with standin as kubeconfig, trio.open_nursery() as nursery:
+        pool = load_pools([pool_block(kubeconfig)]).pools[0]
+        base = kubectl_base(kubectl, kubeconfig, workdir / "kubectl-cache")
+        # Fill kubectl's discovery cache, as any earlier use of kubectl would have.
+        await trio.run_process([*base, "api-resources", "-o", "name"], capture_stdout=True)
+        registry = WorkerRegistry({}, nursery)
+        process = psutil.Process()
+
+        async def ours(turn: int) -> None:
+            rss_before = process.memory_info().rss
+            async with trio.open_nursery() as caches_nursery:
+                began = time.perf_counter()
+                async with (
+                    Clusters(caches_nursery).use(pool) as cluster,
+                    trio.open_nursery() as loop,
+                ):
+                    reconciler = PoolReconciler(
+                        pool, cluster, registry, controlplane_url=CONTROLPLANE_URL
+                    )
+                    await loop.start(reconciler.run)
+                    await wait_pass(reconciler)
+                    samples.sync_s.append(time.perf_counter() - began)
+                    if turn == 0:
+                        samples.rss_growth_bytes = process.memory_info().rss - rss_before
+                    heartbeat(registry)
+                    _say(
+                        f"sync {turn + 1}/{size.turns}: {len(reconciler.status.machines)} "
+                        f"machines, {len(cluster.caches.pods.items)} pods cached, "
+                        f"{samples.sync_s[-1]:.2f} s"
+                    )
+                    if turn == size.turns - 1:
+                        await steady_state(reconciler, cluster, registry, pool, size, samples)
+                    loop.cancel_scope.cancel()
+
+        async def theirs(turn: int) -> None:
+            samples.kubectl_s.append(await time_command(kubectl_list_pods(base)))
+            samples.kubectl_startup_s.append(await time_command([kubectl, "version", "--client"]))
+            _say(f"kubectl {turn + 1}/{size.turns}: {samples.kubectl_s[-1]:.2f} s")
+
+        for turn in range(size.turns):
+            # Ours first in the first turn: the caches' memory is measured in a fresh process.
+            for step in (ours, theirs) if turn % 2 == 0 else (theirs, ours):
+                await step(turn)
+        nursery.cancel_scope.cancel()
+    return samples
+
+
+def run_benchmark(size: Size, workdir: Path) -> tuple[Results, dict[str, float]]:
+    """The caches and the loop against kubectl, then the planner over an in-memory cluster,
+    at `size`; the report's sections and its inputs."""
+    _say(
+        f"{size.nodes} nodes, {size.nodes * size.pods_per_node} neighbour pods in the stand-in; "
+        f"{size.turns} turns of ours and kubectl's"
+    )
+    watch = trio.run(measure_watch, workdir, size)
+    planner = measure_planner(size)
+    _say(
+        f"planner: {planner.machines} machines, {planner.actions} actions, "
+        f"{planner.facts_cpu_s:.3f} s CPU to facts, {planner.planner_cpu_s:.3f} s CPU to plan"
+    )
     figures = {
-        "planner_cpu_s": planner_cpu_s,
-        "pass_wall_s": statistics.median(passes.wall_s),
-        "pass_cpu_s": statistics.median(passes.cpu_s),
-        "first_pass_wall_s": passes.first_wall_s,
+        "initial_sync_s": statistics.median(watch.sync_s),
+        "pass_wall_s": statistics.median(watch.pass_wall_s),
+        "pass_cpu_s": statistics.median(watch.pass_cpu_s),
+        "change_to_plan_s": statistics.median(watch.change_s),
+        "cache_rss_mb": watch.rss_growth_bytes / 2**20,
+        "steady_bytes_per_min": watch.steady_bytes_per_min,
+        "full_list_bytes": float(watch.full_list_bytes),
+        "planner_cpu_s": planner.planner_cpu_s,
+        "facts_cpu_s": planner.facts_cpu_s,
     }
     anchors = {
-        "kubectl_wall_s": statistics.median(passes.kubectl_wall_s),
-        "kubectl_cpu_s": statistics.median(passes.kubectl_cpu_s),
-        "kubectl_startup_s": statistics.median(passes.kubectl_startup_s),
+        "kubectl_list_pods_s": statistics.median(watch.kubectl_s),
+        "kubectl_startup_s": statistics.median(watch.kubectl_startup_s),
     }
+    ratios = {**ratios_of(RATIOS, figures, anchors), **ratios_of(FIGURE_RATIOS, figures, figures)}
     inputs = {
-        "nodes": float(size["nodes"]),
-        "pods": float(planner_pods),
-        "pass_pods": float(size["nodes"] * (pods_per_node + 1)),
-        "passes": float(size["passes"]),
+        "nodes": float(size.nodes),
+        "pods": float(planner.pods),
+        "pass_pods": float(size.nodes * (size.pods_per_node + 1)),
+        "turns": float(size.turns),
+        "passes": float(size.passes),
+        "changes": float(size.changes),
+        "steady_s": size.steady_s,
+        "bookmark_s": size.bookmark_s,
     }
-    results = Results(figures=figures, anchors=anchors, ratios=ratios_of(RATIOS, figures, anchors))
-    return results, inputs
+    return Results(figures=figures, anchors=anchors, ratios=ratios), inputs
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.reconcile",
-        description="The reconcile planner's CPU time over a large in-memory cluster, and a "
-        "whole pass against kubectl get of the same lists, in one run.",
+        description="The pool reconciler from watch-fed caches at scale (initial sync, pass, "
+        "change to plan, memory, steady-state bytes) beside kubectl get of every pod, and the "
+        "planner's CPU time, in one run.",
     )
     parser.add_argument("--quick", action="store_true", help="1,000 nodes, 20,000 pods")
+    parser.add_argument(
+        "--steady-s",
+        type=float,
+        metavar="S",
+        help=f"the quiet window's seconds (default {FULL.steady_s:g}, {QUICK.steady_s:g} "
+        "with --quick)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
     args = parser.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    if args.steady_s is not None:
+        if not args.steady_s > 0:
+            parser.error(f"--steady-s must be more than 0 seconds, not {args.steady_s:g}")
+        size = attrs.evolve(size, steady_s=args.steady_s)
     with tempfile.TemporaryDirectory(prefix="levers9-bench-reconcile-") as tmp:
-        results, inputs = run_benchmark(QUICK if args.quick else FULL, Path(tmp))
-    publish(
-        results,
-        inputs,
-        args.json,
-        target="target: planner_cpu_s < 1 for 5,000 nodes and 100,000 pods",
-    )
+        results, inputs = run_benchmark(size, Path(tmp))
+    publish(results, inputs, args.json, target=TARGET)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ log = logging.getLogger("levers9.cache")
 
 OUR_OBJECTS = f"{MANAGED_BY_LABEL}={MANAGER},{NAME_LABEL}={WORKER_NAME}"
 BOUND_LIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed,spec.nodeName!="
-NODES_POLL_S = 0.02
 FILL_ONE_BY_ONE = 16
 """Up to this many nodes entering at once have their pods listed node by node; more, and all
 pods are listed once instead."""
@@ -182,12 +181,10 @@ class ClusterCaches:
                 self._filler = None
 
     async def nodes_listed(self) -> None:
-        """Returns once a node cache has listed its nodes (or failed to)."""
-        while True:
-            node_caches = [r.informer for k, r in self._running.items() if k[0] == "nodes"]
-            if any(i.synced.is_set() or i.error is not None for i in node_caches):
-                return
-            await trio.sleep(NODES_POLL_S)
+        """Returns once the node caches have listed their nodes (or failed to)."""
+        for key, running in list(self._running.items()):
+            if key[0] == "nodes":
+                await running.informer.first_outcome.wait()
 
     # -- the pod cache and the nodes it keeps pods of -----------------------------------------
 

@@ -234,6 +234,8 @@ class Informer(Generic[T]):
         self.store: Store[T] = Store(keep=keep)
         self.synced = trio.Event()
         self.error: KubeError | None = None
+        self.first_outcome = trio.Event()
+        """Set by the first list's outcome: listed (`synced`) or failed (`error`)."""
         self.lists = 0
         """Full lists made (the first, and one per 410 Gone)."""
         self.watches = 0
@@ -304,6 +306,7 @@ class Informer(Generic[T]):
 
     def _failed(self, exc: KubeError) -> None:
         self.error = exc
+        self.first_outcome.set()
         # Once per distinct failure, not once per retry.
         if exc.message != self._logged:
             self._logged = exc.message
@@ -330,6 +333,7 @@ class Informer(Generic[T]):
         self.lists += 1
         changes = self.store.replace(items, version)
         self.synced.set()
+        self.first_outcome.set()
         self._tell(changes)
 
     async def fill(self, field_selector: str) -> None:
@@ -356,6 +360,7 @@ class Informer(Generic[T]):
             self.collection, self.store.resource_version, timeout_s=timeout_s
         )
         self.watches += 1
+        self._fine()
         decoder: WatchDecoder[T] = WatchDecoder(self.facts, self.collection.describe())
         got_any = False
 

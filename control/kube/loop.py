@@ -130,7 +130,6 @@ MIN_GAP_S = 1.0
 """The least time between two passes woken by changes."""
 FAILED_CAP_S = 120.0
 """The longest wait after failed passes (or `reconcileSeconds`, when that is longer)."""
-SYNC_POLL_S = 0.02
 EVENT_WAIT_S = 5.0
 """The longest a pass waits to record an Event (advisory: a struggling API server must not
 hold up the pass)."""
@@ -182,7 +181,8 @@ class PoolReconciler:
         self._namespace_ready = False
         self._pool_label = worker_labels(pool.name, "")[POOL_LABEL]
         self._jobs_selector = f"{POOL_LABEL}={self._pool_label}"
-        self._woken = trio.Event()
+        self._dirty = False
+        self._wakeup = trio.lowlevel.ParkingLot()
         self._last_pass = -float("inf")
         self._failures = BackoffState()
         self._logged_error: str | None = None
@@ -192,7 +192,8 @@ class PoolReconciler:
     # -- what wakes a pass ------------------------------------------------------------------
 
     def _wake(self) -> None:
-        self._woken.set()
+        self._dirty = True
+        self._wakeup.unpark_all()
 
     def _nodes_changed(self, changes: list[Change[NodeFacts]]) -> None:
         self._wake()
@@ -246,18 +247,15 @@ class PoolReconciler:
             self.registry.listeners.remove(self._workers_changed)
 
     async def wait_synced(self) -> None:
-        """Until every cache has listed once, or one of them failed (the first pass then
-        reports it)."""
-        caches = self.caches.all()
-        while not all(c.synced.is_set() for c in caches):
-            if any(c.error is not None for c in caches):
-                return
-            await trio.sleep(SYNC_POLL_S)
+        """Until every cache has listed once or failed to (the first pass then reports it)."""
+        for cache in self.caches.all():
+            await cache.first_outcome.wait()
 
     async def _wait(self, period_s: float) -> None:
         """Until the period is over, or soon after a change that matters (coalesced)."""
         with trio.move_on_after(period_s):
-            await self._woken.wait()
+            while not self._dirty:
+                await self._wakeup.park()
             since_last = trio.current_time() - self._last_pass
             await trio.sleep(max(COALESCE_S, MIN_GAP_S - since_last))
 
@@ -270,7 +268,7 @@ class PoolReconciler:
             return await self._reconcile_once()
 
     async def _reconcile_once(self) -> Plan | None:
-        self._woken = trio.Event()
+        self._dirty = False
         self._last_pass = trio.current_time()
         started = time.monotonic()
         counts = PassCounts()

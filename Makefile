@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests, the demo and the benchmarks use.
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
-	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone
+	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15
 
 .PHONY: deps install test test-shuffled lint bench demo clean images-check
 

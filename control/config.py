@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 import cattrs
@@ -88,9 +89,17 @@ class WorkspaceConfig:
 
 @attrs.frozen
 class DatabaseSettings:
-    """Where task records live: one SQLite file (mode 0600), kept across restarts."""
+    """Where task records live: one SQLite file (mode 0600, kept across restarts; a single
+    controlplane), or with `url` a PostgreSQL database (`postgresql://USER@HOST:PORT/DB`, any
+    number of replicas). Its password is `password` (the private values file) or the first
+    line of `passwordFile`, never part of the URL."""
 
     path: str = "/var/lib/levers9-control/tasks.db"
+    url: str | None = None
+    password: str | None = attrs.field(default=None, repr=False)
+    password_file: str | None = None
+    pool_size: int = 8
+    """Connections to PostgreSQL this replica holds at most."""
 
 
 @attrs.frozen
@@ -137,6 +146,24 @@ class JoinedPoolsSettings:
 
 
 @attrs.frozen
+class LeaderElectionSettings:
+    """Several controlplane replicas: each pool is reconciled by one replica at a time, the
+    holder of the pool's Lease in `namespace` (default: the pod's own), reached with the pod's
+    ServiceAccount and decided as client-go's leader election decides. `identity` names this
+    replica in the Leases (default: the pod's name, HOSTNAME, and a short random suffix)."""
+
+    enabled: bool = False
+    namespace: str | None = None
+    identity: str | None = None
+    lease_duration_s: float = 15.0
+    """How long a Lease holds once renewed (whole seconds: the Lease keeps seconds)."""
+    renew_deadline_s: float = 10.0
+    """How long a leader keeps reconciling without a renewal going through."""
+    retry_period_s: float = 2.0
+    """Between tries to take a Lease, and between renewals."""
+
+
+@attrs.frozen
 class ControlConfig:
     public_url: str
     tls: TlsFiles
@@ -151,6 +178,7 @@ class ControlConfig:
     tunnels' and the dials of direct workers."""
     workspaces: tuple[WorkspaceConfig, ...] = ()
     joined_pools: JoinedPoolsSettings | None = None
+    leader_election: LeaderElectionSettings = LeaderElectionSettings()
 
     @property
     def listen_host(self) -> str:
@@ -316,6 +344,36 @@ def _validate(config: ControlConfig) -> None:
             "config.joinedPools.inCluster: joined pools are kept as Secrets in the "
             "controlplane's own cluster; set inCluster: true or remove joinedPools"
         )
+    # client-go's own checks: a leader stops before its Lease can expire for the others, and
+    # tries to renew more than once before it stops.
+    election, where = config.leader_election, "config.leaderElection"
+    lease_s, renew_s, retry_s = (
+        election.lease_duration_s,
+        election.renew_deadline_s,
+        election.retry_period_s,
+    )
+    if not (lease_s >= 1 and lease_s == int(lease_s)):
+        raise ConfigError(
+            f"{where}.leaseDurationS must be a whole number of seconds, 1 or more (a Lease keeps "
+            f"whole seconds), not {lease_s:g}"
+        )
+    if not retry_s > 0:
+        raise ConfigError(
+            f"{where}.retryPeriodS must be a number of seconds above 0, not {retry_s:g}"
+        )
+    if not renew_s < lease_s:
+        raise ConfigError(
+            f"{where}.renewDeadlineS must be less than leaseDurationS ({lease_s:g} s), not "
+            f"{renew_s:g}: a leader must stop reconciling before its Lease can expire"
+        )
+    if not retry_s < renew_s:
+        raise ConfigError(
+            f"{where}.retryPeriodS must be less than renewDeadlineS ({renew_s:g} s), not "
+            f"{retry_s:g}: a leader must be able to try renewing more than once"
+        )
+    for key, text in (("identity", election.identity), ("namespace", election.namespace)):
+        if text is not None and not text.strip():
+            raise ConfigError(f"{where}.{key} is empty; remove it for the default, or give one")
     connections = config.connections
     for key, number in (
         ("maxPerSource", connections.max_per_source),
@@ -330,5 +388,32 @@ def _validate(config: ControlConfig) -> None:
     ):
         if seconds is not None and not seconds > 0:
             raise ConfigError(f"config.{key} must be a number of seconds above 0, not {seconds}")
-    if not config.database.path:
-        raise ConfigError("config.database.path is empty; give the task database's file path")
+    _validate_database(config.database)
+
+
+def _validate_database(database: DatabaseSettings) -> None:
+    if database.url is None:
+        if not database.path:
+            raise ConfigError("config.database.path is empty; give the task database's file path")
+        return
+    url = urlsplit(database.url)
+    if url.scheme not in ("postgresql", "postgres") or not url.hostname:
+        raise ConfigError(
+            "config.database.url must be postgresql://USER@HOST[:PORT]/DATABASE "
+            f"(the scheme was {url.scheme or 'missing'!r})"
+        )
+    if url.password is not None or "password=" in url.query:
+        # The values file holding the URL is a ConfigMap: the password must not be in it.
+        raise ConfigError(
+            "config.database.url must not carry a password; put it in "
+            "config.database.password in the private values file, or in a file named by "
+            "config.database.passwordFile"
+        )
+    if not url.path.strip("/"):
+        raise ConfigError("config.database.url names no database; end it with /DATABASE")
+    if database.password is not None and database.password_file is not None:
+        raise ConfigError(
+            "config.database.password and config.database.passwordFile are both set; keep one"
+        )
+    if database.pool_size < 1:
+        raise ConfigError(f"config.database.poolSize must be 1 or more, not {database.pool_size}")

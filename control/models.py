@@ -167,6 +167,9 @@ class PoolView:
     image: str
     machines: int = 0
     error: str | None = None
+    leader: str | None = None
+    """With `config.leaderElection`: the replica that reconciles the pool (holds its Lease),
+    None while no replica does or this one cannot tell."""
 
 
 @attrs.frozen

@@ -277,7 +277,10 @@ def control_values(
     lost_after_s: float = 20.0,
     registries: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     joined_pools: Mapping[str, Any] | None = None,
+    database_block: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The controlplane's values; `database_block` (e.g. a PostgreSQL URL and password)
+    replaces the SQLite file at `database`."""
     extra = {"joinedPools": dict(joined_pools)} if joined_pools is not None else {}
     return {
         "config": {
@@ -286,7 +289,7 @@ def control_values(
             "listen": f"127.0.0.1:{port}",
             "tls": {"certFile": str(pki.cert_file), "keyFile": str(pki.key_file)},
             "apiTokens": [{"name": "operator", "token": operator_token}],
-            "database": {"path": str(database)},
+            "database": dict(database_block or {"path": str(database)}),
             "workspaces": [
                 {
                     "name": name,
@@ -316,8 +319,10 @@ async def open_cluster(
     lost_after_s: float = 20.0,
     registries: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     joined_pools: Mapping[str, Any] | None = None,
+    database: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Cluster]:
-    """Nodes are (node, pool name) pairs. The kubelet starts before the controlplane so the
+    """Nodes are (node, pool name) pairs; `database` is the values' database block (the SQLite
+    file under `root` by default). The kubelet starts before the controlplane so the
     nodes are there for its first reconcile; everything stops when the block ends."""
     root.mkdir(parents=True, exist_ok=True)
     pki = make_pki(root)
@@ -337,6 +342,7 @@ async def open_cluster(
             lost_after_s=lost_after_s,
             registries=registries,
             joined_pools=joined_pools,
+            database_block=database,
         )
     )
     labelled = [

@@ -398,6 +398,76 @@ def test_duplicate_pool_names_are_refused(tmp_path: Path) -> None:
     assert "config.worker.pools[gke-a100].name: the pool name appears twice" in stderr
 
 
+# --- leader election ---------------------------------------------------------------------------
+
+
+def with_leader_election(**timings: Any) -> dict[str, Any]:
+    values = public_values()
+    values["leaderElection"] = {"enabled": True, **timings}
+    return values
+
+
+def test_leader_election_is_rendered_into_the_config_the_controlplane_loads(
+    tmp_path: Path,
+) -> None:
+    docs = render(tmp_path, with_leader_election(renewDeadlineS=7.5), private_values())
+    rendered = yaml.safe_load(configmap_text(docs))["config"]
+    assert rendered["leaderElection"] == {
+        "enabled": True,
+        "namespace": NAMESPACE,
+        "leaseDurationS": 15,
+        "renewDeadlineS": 7.5,
+        "retryPeriodS": 2,
+    }
+    election = load_rendered(tmp_path, docs).leader_election
+    assert election.enabled and election.namespace == NAMESPACE
+    assert (election.lease_duration_s, election.renew_deadline_s, election.retry_period_s) == (
+        15,
+        7.5,
+        2,
+    )
+
+
+def test_leader_election_is_off_by_default(tmp_path: Path) -> None:
+    assert chart_defaults()["leaderElection"]["enabled"] is False
+    docs = render(tmp_path, public_values(), private_values())
+    assert "leaderElection" not in yaml.safe_load(configmap_text(docs))["config"]
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-leader-election")]
+    assert load_rendered(tmp_path, docs).leader_election.enabled is False
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            with_leader_election(renewDeadlineS=15),
+            "leaderElection.renewDeadlineS must be less than leaseDurationS (15), not 15",
+        ),
+        (
+            with_leader_election(retryPeriodS=10),
+            "leaderElection.retryPeriodS must be less than renewDeadlineS (10), not 10",
+        ),
+        (
+            with_leader_election(leaseDurationS=12.5),
+            "leaderElection.leaseDurationS: 12.5 must be a whole number of seconds",
+        ),
+        (
+            with_leader_election(retryPeriodS="soon"),
+            "leaderElection.retryPeriodS: soon must be a number of seconds above 0",
+        ),
+        (
+            {**public_values(), "config": {**public_values()["config"], "leaderElection": {}}},
+            "config.leaderElection: set the chart's leaderElection: values instead",
+        ),
+    ],
+    ids=["renew-deadline", "retry-period", "whole-seconds", "not-a-number", "under-config"],
+)
+def test_leader_election_timings_are_checked(
+    tmp_path: Path, values: dict[str, Any], message: str
+) -> None:
+    assert message in refused(tmp_path, values)
+
+
 # --- RBAC --------------------------------------------------------------------------------------
 
 
@@ -510,8 +580,33 @@ def test_in_cluster_pools_share_a_namespace_role_once(tmp_path: Path) -> None:
 
 def test_rbac_off_renders_none(tmp_path: Path) -> None:
     values = public_values(in_cluster_pool())
-    docs = render(tmp_path, values, sets=("rbac.create=false",))
+    docs = render(tmp_path, values, sets=("rbac.create=false", "leaderElection.enabled=true"))
     assert [doc for doc in docs if doc["kind"] in RBAC_KINDS] == []
+
+
+def test_leader_election_gets_a_role_on_exactly_leases(tmp_path: Path) -> None:
+    docs = render(tmp_path, with_leader_election(), private_values())
+    roles = {doc["metadata"]["name"]: doc for doc in of_kind(docs, "Role")}
+    (name,) = [n for n in roles if n.endswith("-leader-election")]
+    role = roles[name]
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert rules_as_sets(role) == [
+        (
+            frozenset({"coordination.k8s.io"}),
+            frozenset({"leases"}),
+            frozenset({"get", "create", "update"}),
+        )
+    ]
+    (binding,) = [b for b in of_kind(docs, "RoleBinding") if b["metadata"]["name"] == name]
+    sa = one(docs, "ServiceAccount")["metadata"]["name"]
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": name,
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    assert_least_privilege(docs)
 
 
 # --- the pod -----------------------------------------------------------------------------------
@@ -604,3 +699,23 @@ def test_helm_lint_passes(tmp_path: Path, with_values: bool) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 chart(s) linted, 0 chart(s) failed" in done.stdout
+
+
+def test_records_in_postgresql_need_no_claim_and_keep_the_password_secret(tmp_path: Path) -> None:
+    values = public_values()
+    values["config"]["database"] = {"url": "postgresql://levers9@pg.example:5432/levers9"}
+    private = private_values()
+    private.setdefault("secretConfig", {})["database"] = {"password": "pg-secret-2468"}
+    docs = render(tmp_path, values, private)
+    assert of_kind(docs, "PersistentVolumeClaim") == []
+    volumes = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert "data" not in {v["name"] for v in volumes}
+    assert "pg-secret-2468" not in configmap_text(docs)
+    config = load_rendered(tmp_path, docs)
+    assert config.database.url == "postgresql://levers9@pg.example:5432/levers9"
+    assert config.database.password == "pg-secret-2468"
+
+    values["config"]["database"]["password"] = "pg-secret-2468"
+    stderr = refused(tmp_path, values, private_values())
+    assert "config.database.password" in stderr and "secretConfig" in stderr
+    assert "pg-secret-2468" not in stderr

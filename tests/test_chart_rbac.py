@@ -13,12 +13,21 @@ from typing import Any
 import pytest
 import trio
 
+from control.kube.adapter import open_kube_client
+from control.kube.lease import LeaderElector, election_settings, lease_cluster
 from control.models import TaskRequest
 from sim.cluster import PoolSpec, open_cluster, pod_environment
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from tests.registry_fixtures import SharedRegistry
-from tests.test_chart import NAMESPACE, in_cluster_pool, of_kind, public_values, render
+from tests.test_chart import (
+    NAMESPACE,
+    in_cluster_pool,
+    load_rendered,
+    of_kind,
+    public_values,
+    render,
+)
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
 
@@ -88,3 +97,41 @@ async def test_the_chart_rbac_runs_an_in_cluster_pool_and_keeps_joined_pools(
 
 def env_token(env: dict[str, str]) -> str:
     return (Path(env["LEVERS9_SERVICEACCOUNT_DIR"]) / "token").read_text()
+
+
+async def test_the_chart_rbac_lets_replicas_hold_a_pools_lease_and_no_more(
+    tmp_path: Path, kube: KubeStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = public_values(in_cluster_pool("local", namespace="levers9"))
+    values["leaderElection"] = {"enabled": True}
+    docs = render(tmp_path, values)
+    kube.add_namespace("levers9")
+    account = apply_chart_rbac(kube, docs)
+    env = pod_environment(kube, NAMESPACE, account, tmp_path / "serviceaccount")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = load_rendered(tmp_path, docs)
+    own, namespace = lease_cluster(config.leader_election, pool="local")
+    assert namespace == NAMESPACE
+    leading = trio.Event()
+
+    async def lead() -> None:
+        leading.set()
+        await trio.sleep_forever()
+
+    async with open_kube_client(own) as api, trio.open_nursery() as nursery:
+        settings = election_settings(
+            config.leader_election, pool="local", identity="replica-a", namespace=namespace
+        )
+        elector = LeaderElector(api, settings, pool="local")
+        nursery.start_soon(elector.run, lead)
+        with trio.fail_after(20):
+            await leading.wait()
+        nursery.cancel_scope.cancel()
+    lease = kube.get("leases", "levers9-pool-local", NAMESPACE)
+    assert lease is not None and lease["spec"]["holderIdentity"] == ""  # taken, then released
+    token = env_token(env)
+    group = "coordination.k8s.io"
+    assert not kube.authorized(token, "delete", "leases", NAMESPACE, group)
+    assert not kube.authorized(token, "list", "leases", NAMESPACE, group)
+    assert not kube.authorized(token, "create", "leases", "levers9", group)

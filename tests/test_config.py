@@ -268,3 +268,48 @@ def test_the_http2_flood_limits_come_from_the_values() -> None:
     assert config.http2.flood_window_s == 2.0
     assert config.http2.max_empty_frames_per_window == 1
     assert config.http2.max_resets_per_window == 2000  # the rest keep their defaults
+
+
+def _with_database(**database: object) -> dict[str, object]:
+    return {
+        "config": {
+            "publicUrl": "https://x",
+            "tls": {"certFile": "a", "keyFile": "b"},
+            "database": database,
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("database", "needle"),
+    [
+        ({"url": "mysql://db/x"}, "config.database.url must be postgresql://"),
+        ({"url": "postgresql://u:hunter2@db/x"}, "config.database.url must not carry a password"),
+        ({"url": "postgresql://u@db/x?password=hunter2"}, "must not carry a password"),
+        ({"url": "postgresql://u@db"}, "config.database.url names no database"),
+        (
+            {"url": "postgresql://u@db/x", "password": "a", "passwordFile": "/p"},
+            "config.database.password and config.database.passwordFile are both set",
+        ),
+        ({"url": "postgresql://u@db/x", "poolSize": 0}, "config.database.poolSize"),
+        ({"path": ""}, "config.database.path is empty"),
+    ],
+)
+def test_bad_database_settings_name_the_field(database: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(_with_database(**database))
+    assert needle in str(err.value)
+    assert "hunter2" not in str(err.value)
+
+
+def test_the_database_password_comes_from_the_private_values_and_stays_out_of_repr(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "values.yaml").write_text(
+        BASE + "  database: {url: 'postgresql://levers9@db.example:5432/levers9'}\n"
+    )
+    (tmp_path / "private.yaml").write_text("config:\n  database: {password: pg-secret-4321}\n")
+    config = load_files([tmp_path / "values.yaml", tmp_path / "private.yaml"])
+    assert config.database.url == "postgresql://levers9@db.example:5432/levers9"
+    assert config.database.password == "pg-secret-4321"
+    assert "pg-secret-4321" not in repr(config)

@@ -17,6 +17,7 @@ from agent.wire.errors import ApiError, ErrorCode, dumps, loads
 from control.api.tasks import query_limit, query_states, spec_of, workspace_of
 from control.models import TaskRequest, TaskState, TaskView
 from control.registry import WorkerEntry, WorkerRegistry
+from control.tasks.databases import open_task_store
 from control.tasks.dispatch import (
     CLEANUP_S,
     STOP_GRACE_S,
@@ -27,7 +28,7 @@ from control.tasks.dispatch import (
     keep_tail,
     outcome,
 )
-from control.tasks.store import Exited, Failed, TaskRecord, TaskSpec, open_task_store
+from control.tasks.store import Exited, Failed, TaskRecord, TaskSpec
 from control.workspaces import Workspaces
 
 NOW = 1_000.0

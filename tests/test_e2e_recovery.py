@@ -1,4 +1,5 @@
-"""End to end, when things go wrong or wait: the controlplane restarts mid-task, a worker is
+"""End to end, when things go wrong or wait: the controlplane restarts mid-task (its records in
+SQLite or in PostgreSQL), a worker is
 killed, a multi-card task waits for one worker with enough cards, a task runs past its timeout,
 and `levers9 run` gives up waiting while the task goes on."""
 
@@ -11,6 +12,7 @@ import pytest
 import trio
 
 from control.cli.client import ControlClient
+from control.config import DatabaseSettings
 from control.models import TaskRequest, TaskView
 from sim.cluster import open_node_cluster
 from sim.kubeapi.objects import make_pod
@@ -18,19 +20,27 @@ from sim.kubeapi.store import KubeStandin
 from tests.registry_fixtures import SharedRegistry
 from tests.test_e2e import wait_for_line, wait_state
 
-pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
+pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures", "tests.postgres_fixtures"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (CI runs as root)")
 
 
-@pytest.mark.parametrize("mode", ["direct", "tunnel"])
+@pytest.mark.parametrize(
+    ("mode", "records"), [("direct", "sqlite"), ("tunnel", "sqlite"), ("tunnel", "postgres")]
+)
 async def test_controlplane_restart_mid_task_keeps_records_and_logs(
-    mode: str, tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
+    mode: str, records: str, tmp_path: Path, kube: KubeStandin, request: pytest.FixtureRequest
 ) -> None:
+    registry: SharedRegistry = request.getfixturevalue("registry")
+    database = None
+    if records == "postgres":
+        settings: DatabaseSettings = request.getfixturevalue("postgres_database")
+        database = {"url": settings.url, "password": settings.password}
     async with open_node_cluster(
         tmp_path / "cluster",
         kube,
         1,
         tunnel=mode == "tunnel",
+        database=database,
     ) as cluster:
         with trio.fail_after(90):
             (worker,) = await cluster.wait_workers(1)

@@ -1,9 +1,11 @@
-"""Task records: the state machine table, and the SQLite store on a real file in tmp_path."""
+"""Task records: the state machine table, and the store's whole suite on both databases: a
+real SQLite file in tmp_path and a real PostgreSQL server (`tests.postgres_fixtures`)."""
 
 from __future__ import annotations
 
 import itertools
 import re
+import socket
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,7 +16,9 @@ import trio
 
 from agent.api.models import GcsCredentials, S3Credentials, VolumeSpec
 from agent.wire.errors import ApiError, ErrorCode
+from control.config import DatabaseSettings
 from control.models import TaskState
+from control.tasks.databases import open_database, open_task_store
 from control.tasks.store import (
     Cancel,
     Exited,
@@ -26,9 +30,12 @@ from control.tasks.store import (
     TaskRecord,
     TaskSpec,
     TaskStore,
-    open_task_store,
+    TransitionError,
     transition,
 )
+from tests.postgres_fixtures import PostgresServer
+
+pytest_plugins = ["tests.postgres_fixtures"]
 
 P, S, R = TaskState.PENDING, TaskState.STARTING, TaskState.RUNNING
 EVENTS: dict[str, TaskEvent] = {
@@ -138,10 +145,57 @@ class Clock:
         return self.now
 
 
+Where = Path | DatabaseSettings
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
+    """Where a store keeps its records: one SQLite file, or one PostgreSQL database."""
+    if request.param == "sqlite":
+        return tmp_path / "tasks.db"
+    settings: DatabaseSettings = request.getfixturevalue("postgres_database")
+    return settings
+
+
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[TaskStore]:
-    async with open_task_store(tmp_path / "tasks.db", clock=Clock()) as s:
+async def store(database: Where) -> AsyncIterator[TaskStore]:
+    async with open_task_store(database, clock=Clock()) as s:
         yield s
+
+
+def stored_bytes(database: Where, request: pytest.FixtureRequest) -> bytes:
+    """Every byte the database has put on disk so far."""
+    if isinstance(database, Path):
+        files = [p for p in database.parent.iterdir() if p.is_file()]
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        with server.admin() as conn:
+            conn.execute("CHECKPOINT")
+        files = [p for p in server.data_dir.rglob("*") if p.is_file()]
+    return b"".join(p.read_bytes() for p in files)
+
+
+def set_schema_version(database: Where, version: int, request: pytest.FixtureRequest) -> None:
+    if isinstance(database, Path):
+        conn = sqlite3.connect(database)
+        try:
+            with conn:
+                conn.execute("UPDATE schema_version SET version = ?", (version,))
+        finally:
+            conn.close()
+        return
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    with server.admin(database_name(database)) as pg:
+        pg.execute("UPDATE schema_version SET version = %s", (version,))
+
+
+def database_name(settings: DatabaseSettings) -> str:
+    assert settings.url is not None
+    return settings.url.rsplit("/", 1)[1]
+
+
+def where_named(database: Where) -> str:
+    return str(database) if isinstance(database, Path) else str(database.url)
 
 
 def spec(image: str = "busybox", **kw: object) -> TaskSpec:
@@ -181,13 +235,12 @@ async def test_refused_event_leaves_record_unchanged(store: TaskStore) -> None:
     assert (await store.get("ws-a", task.id)).state is TaskState.CANCELLED
 
 
-async def test_records_survive_restart(tmp_path: Path) -> None:
-    path = tmp_path / "tasks.db"
-    async with open_task_store(path) as first:
+async def test_records_survive_restart(database: Where) -> None:
+    async with open_task_store(database) as first:
         task = await first.create("ws-a", spec(env={"K": "v"}, ports=(80, 443)))
         task = await first.apply("ws-a", task.id, Start(worker="w9", node="n9"))
         other = await first.create("ws-a", spec("alpine"))
-    async with open_task_store(path) as second:
+    async with open_task_store(database) as second:
         assert await second.get("ws-a", task.id) == task
         assert await second.pending() == (await second.get("ws-a", other.id),)
         assert await second.running_on("w9") == (task,)
@@ -267,8 +320,9 @@ async def test_mark_worker_lost_only_touches_that_workers_active_tasks(
     assert [t.id for t in await store.running_on("w2")] == [elsewhere.id]
 
 
-async def test_volume_credentials_never_reach_the_database(tmp_path: Path) -> None:
-    path = tmp_path / "tasks.db"
+async def test_volume_credentials_never_reach_the_database(
+    database: Where, request: pytest.FixtureRequest
+) -> None:
     secrets = ["AKIDSECRETKEYID1", "sEcReT/acc3ss+key", "S3SESSIONTOKEN9", "HMACSECRETXYZ"]
     volumes = (
         VolumeSpec(
@@ -288,24 +342,23 @@ async def test_volume_credentials_never_reach_the_database(tmp_path: Path) -> No
             gcs=GcsCredentials(hmac_access_id="GOOGID", hmac_secret=secrets[3]),
         ),
     )
-    async with open_task_store(path) as store:
+    async with open_task_store(database) as store:
         task = await store.create("ws-a", spec(volumes=volumes))
         assert task.spec.volumes == tuple(attrs.evolve(v, s3=None, gcs=None) for v in volumes)
         await store.apply("ws-a", task.id, Cancel())
         stored = await store.get("ws-a", task.id)
         assert [v.url for v in stored.spec.volumes] == ["s3://bucket/data", "gs://bucket2"]
         # Read the files while the store is open (WAL not yet checkpointed) and after close.
-        during = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
-    after = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
+        during = stored_bytes(database, request)
+    after = stored_bytes(database, request)
     assert b"s3://bucket/data" in during + after  # the spec itself was written
     for secret in [*secrets, "GOOGID"]:
         assert secret.encode() not in during
         assert secret.encode() not in after
 
 
-async def test_ended_tasks_logs_are_kept_across_restart_and_scoped(tmp_path: Path) -> None:
-    path = tmp_path / "tasks.db"
-    async with open_task_store(path) as first:
+async def test_ended_tasks_logs_are_kept_across_restart_and_scoped(database: Where) -> None:
+    async with open_task_store(database) as first:
         task = await first.create("ws-a", spec())
         await first.apply("ws-a", task.id, Start(worker="w1"))
         assert [r.id for r in await first.active()] == [task.id]
@@ -313,7 +366,7 @@ async def test_ended_tasks_logs_are_kept_across_restart_and_scoped(tmp_path: Pat
         assert await first.active() == ()
         assert await first.logs("ws-a", task.id) is None
         await first.save_logs(task.id, b'{"text":"hello"}\n')
-    async with open_task_store(path) as second:
+    async with open_task_store(database) as second:
         assert await second.logs("ws-a", task.id) == b'{"text":"hello"}\n'
         with pytest.raises(ApiError) as info:
             await second.logs("ws-b", task.id)
@@ -330,32 +383,28 @@ async def test_concurrent_creates_get_distinct_ids_in_order(store: TaskStore) ->
         for i in range(40):
             nursery.start_soon(make, i)
     assert len({t.id for t in created}) == 40
-    # FIFO follows the order in which creates completed.
-    assert [t.id for t in await store.pending()] == [t.id for t in created]
+    # Every one queued once; the queue's order is the order the rows were inserted in.
+    assert sorted(t.id for t in await store.pending()) == sorted(t.id for t in created)
 
 
-async def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "tasks.db"
-    async with open_task_store(path) as store:
+async def test_newer_schema_version_is_refused(
+    database: Where, request: pytest.FixtureRequest
+) -> None:
+    async with open_task_store(database) as store:
         task = await store.create("ws-a", spec())
-    conn = sqlite3.connect(path)
-    try:
-        with conn:
-            conn.execute("UPDATE schema_version SET version = 99")
-    finally:
-        conn.close()
+    set_schema_version(database, 99, request)
     with pytest.raises(ApiError) as info:
-        async with open_task_store(path):
+        async with open_task_store(database):
             pass
     assert info.value.code is ErrorCode.FAILED_PRECONDITION
-    assert "99" in info.value.message and str(path) in info.value.message
-    # The refused open left the file alone.
-    conn = sqlite3.connect(path)
-    try:
-        assert conn.execute("SELECT version FROM schema_version").fetchone() == (99,)
-        assert conn.execute("SELECT id FROM tasks").fetchall() == [(task.id,)]
-    finally:
-        conn.close()
+    assert "99" in info.value.message and where_named(database) in info.value.message
+    # The refused open left the records alone.
+    from control.tasks import postgres, sqlite
+
+    known = sqlite.SCHEMA_VERSION if isinstance(database, Path) else postgres.SCHEMA_VERSION
+    set_schema_version(database, known, request)
+    async with open_task_store(database) as store:
+        assert [t.id for t in await store.pending()] == [task.id]
 
 
 @pytest.mark.parametrize(
@@ -389,9 +438,9 @@ async def test_bad_specs_are_refused_naming_the_field(
     assert await store.list("ws-a") == ()
 
 
-async def test_closed_store_refuses_calls(tmp_path: Path) -> None:
-    store = await TaskStore.open(tmp_path / "tasks.db")
-    await store.aclose()
+async def test_closed_store_refuses_calls(database: Where) -> None:
+    async with open_task_store(database) as store:
+        pass
     with pytest.raises(ApiError) as info:
         await store.pending()
     assert info.value.code is ErrorCode.UNAVAILABLE
@@ -400,6 +449,110 @@ async def test_closed_store_refuses_calls(tmp_path: Path) -> None:
 async def test_unusable_path_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "missing-dir" / "tasks.db"
     with pytest.raises(ApiError) as info:
-        await TaskStore.open(path)
+        async with open_task_store(path):
+            pass
     assert info.value.code is ErrorCode.UNAVAILABLE
     assert str(path) in info.value.message
+
+
+async def test_a_wrong_password_or_no_server_is_a_clear_error_without_the_password(
+    postgres_database: DatabaseSettings,
+) -> None:
+    wrong = attrs.evolve(postgres_database, password="not-the-password")
+    with pytest.raises(ApiError) as info:
+        async with open_task_store(wrong):
+            pass
+    assert info.value.code is ErrorCode.UNAVAILABLE
+    assert "password authentication failed" in info.value.message
+    assert "not-the-password" not in info.value.message
+    assert "config.database.password" in info.value.message
+    assert postgres_database.password is not None
+    assert postgres_database.password not in info.value.message
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nowhere = attrs.evolve(postgres_database, url=f"postgresql://postgres@127.0.0.1:{port}/x")
+    with pytest.raises(ApiError) as info:
+        async with open_task_store(nowhere):
+            pass
+    assert info.value.code is ErrorCode.UNAVAILABLE
+    assert f"127.0.0.1:{port}" in info.value.message and "config.database.url" in info.value.message
+
+
+async def test_two_stores_on_one_database_never_both_move_a_task(database: Where) -> None:
+    """Two replicas race to start the same tasks: each task starts exactly once, and the one
+    that lost is told the task has moved on."""
+    async with open_task_store(database) as one, open_task_store(database) as two:
+        tasks = [await one.create("ws-a", spec()) for _ in range(12)]
+        started: dict[str, list[str]] = {t.id: [] for t in tasks}
+        refused: list[str] = []
+
+        async def start(replica: TaskStore, name: str, task_id: str) -> None:
+            try:
+                record = await replica.apply("ws-a", task_id, Start(worker=name))
+            except TransitionError as exc:
+                assert exc.state is S
+                refused.append(task_id)
+            else:
+                started[task_id].append(str(record.worker))
+
+        async with trio.open_nursery() as nursery:
+            for task in tasks:
+                nursery.start_soon(start, one, "w-one", task.id)
+                nursery.start_soon(start, two, "w-two", task.id)
+        assert all(len(workers) == 1 for workers in started.values()), started
+        assert sorted(refused) == sorted(t.id for t in tasks)
+        for task in tasks:
+            # Both stores read the one outcome.
+            assert (await one.get("ws-a", task.id)).worker == started[task.id][0]
+            assert (await two.get("ws-a", task.id)).worker == started[task.id][0]
+
+
+async def test_a_write_from_a_stale_read_is_refused(database: Where) -> None:
+    """The compare-and-set itself: a row written since it was read is not overwritten."""
+    from control.tasks.store import CasConflict, Tx, _select_one, _update
+
+    async with open_task_store(database) as store:
+        task = await store.create("ws-a", spec())
+        db = await open_database(database)
+        try:
+            read = await db.run(lambda tx: _select_one(tx, "ws-a", task.id))
+            assert read is not None
+            record, version = read
+            await store.apply("ws-a", task.id, Cancel())
+
+            def stale_write(tx: Tx) -> None:
+                _update(tx, transition(record, Start(worker="w1"), 0.0), version)
+
+            with pytest.raises(CasConflict):
+                await db.run(stale_write)
+        finally:
+            await db.aclose()
+        assert (await store.get("ws-a", task.id)).state is TaskState.CANCELLED
+
+
+async def test_a_file_from_before_row_versions_is_migrated_and_keeps_its_tasks(
+    tmp_path: Path,
+) -> None:
+    from control.tasks import sqlite as backend
+
+    path = tmp_path / "tasks.db"
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            for migration in backend.MIGRATIONS[:2]:
+                conn.executescript(migration)
+            conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+            conn.execute("INSERT INTO schema_version VALUES (2)")
+            conn.execute(
+                "INSERT INTO tasks (id, workspace, state, spec, created_at) "
+                "VALUES ('t-old', 'ws-a', 'pending', '{\"image\": \"busybox\"}', 1.0)"
+            )
+    finally:
+        conn.close()
+    async with open_task_store(path) as store:
+        (old,) = await store.pending()
+        assert old.id == "t-old" and old.spec.image == "busybox"
+        started = await store.apply("ws-a", "t-old", Start(worker="w1"))
+        assert started.state is S

@@ -41,8 +41,9 @@ from control.api.endpoints import EndpointProxy
 from control.api.tasks import WORKSPACE_PREFIX, add_task_routes
 from control.config import ControlConfig
 from control.kube.adapter import open_kube_client
-from control.kube.caches import Clusters
+from control.kube.caches import Clusters, PoolCluster
 from control.kube.joined import JoinedPoolStore, own_cluster
+from control.kube.lease import LeaderElector, default_identity, election_settings, lease_cluster
 from control.kube.loop import PoolReconciler, PoolStatus
 from control.kube.planner import Machine
 from control.kube.pools import PoolConfig, load_pools
@@ -59,8 +60,8 @@ from control.models import (
     WorkerState,
 )
 from control.registry import WorkerRegistry
+from control.tasks.databases import open_task_store
 from control.tasks.dispatch import Dispatcher
-from control.tasks.store import open_task_store
 from control.workspaces import Workspaces
 
 REMOVE_POOL_S = 60.0
@@ -120,6 +121,8 @@ class Controlplane:
         self._nursery: trio.Nursery | None = None
         self._clusters: Clusters | None = None
         self.pool_env: Mapping[str, str] | None = None
+        self.identity = config.leader_election.identity or default_identity()
+        """This replica's name in the pools' Leases (`config.leaderElection`)."""
         router = self._router()
         dial = add_task_routes(router, dispatcher, self.proxy)
         self.service = Service(router, authenticate=self._authenticate, dial=dial, name="control")
@@ -316,6 +319,7 @@ class Controlplane:
                     image=kube.image,
                     machines=len(status.machines) if status is not None else 0,
                     error=status.error if status is not None else None,
+                    leader=run.elector.holder if run.elector is not None else None,
                 )
             )
         return views
@@ -403,32 +407,73 @@ class Controlplane:
         run = _PoolRun(pool=pool)
         self._pools[pool.name] = run
         try:
+            if self.config.leader_election.enabled:
+                await self._run_elected_pool(run, task_status)
+                return
             assert self._clusters is not None
             async with self._clusters.use(pool) as cluster:
-                run.reconciler = PoolReconciler(
-                    pool,
-                    cluster,
-                    self.registry,
-                    controlplane_url=self.config.public_url,
-                    extra_env=self.pool_env,
-                    on_worker_gone=self.dispatcher.worker_gone,
-                )
+                run.reconciler = self._reconciler(pool, cluster)
                 with run.scope:
                     await run.reconciler.run(task_status=task_status)
                 if run.remove:
-                    with trio.CancelScope(shield=True), trio.move_on_after(REMOVE_POOL_S):
-                        try:
-                            await run.reconciler.remove_all()
-                        except ApiError as exc:
-                            log.warning(
-                                "pool %s: its workers could not be removed: %s",
-                                pool.name,
-                                exc,
-                                extra={"pool": pool.name},
-                            )
-                    log.info("pool %s removed", pool.name, extra={"pool": pool.name})
+                    await self._remove_workers(run.reconciler)
         finally:
             run.done.set()
+
+    def _reconciler(self, pool: PoolConfig, cluster: PoolCluster) -> PoolReconciler:
+        return PoolReconciler(
+            pool,
+            cluster,
+            self.registry,
+            controlplane_url=self.config.public_url,
+            extra_env=self.pool_env,
+            on_worker_gone=self.dispatcher.worker_gone,
+        )
+
+    async def _remove_workers(self, reconciler: PoolReconciler) -> None:
+        """A pool removed from the config: its Jobs and Secrets go (shielded, bounded)."""
+        name = reconciler.settings.name
+        with trio.CancelScope(shield=True), trio.move_on_after(REMOVE_POOL_S):
+            try:
+                await reconciler.remove_all()
+            except ApiError as exc:
+                log.warning(
+                    "pool %s: its workers could not be removed: %s",
+                    name,
+                    exc,
+                    extra={"pool": name},
+                )
+        log.info("pool %s removed", name, extra={"pool": name})
+
+    async def _run_elected_pool(self, run: _PoolRun, task_status: trio.TaskStatus[None]) -> None:
+        """`config.leaderElection`: the pool is reconciled here only while this replica holds
+        its Lease, and until then its view names the replica that does. A pool removed from
+        the config (or changed) releases its Lease, once its workers are deleted when this
+        replica led it."""
+        election, pool = self.config.leader_election, run.pool
+        own, namespace = lease_cluster(election, pool=pool.name)
+        settings = election_settings(
+            election, pool=pool.name, identity=self.identity, namespace=namespace
+        )
+        async with open_kube_client(own) as leases:
+            run.elector = LeaderElector(leases, settings, pool=pool.name)
+            task_status.started()
+            with run.scope:
+                await run.elector.run(lambda: self._lead_pool(run))
+
+    async def _lead_pool(self, run: _PoolRun) -> None:
+        """Reconciles while this replica leads; cancelled when it stops leading."""
+        assert self._clusters is not None
+        try:
+            async with self._clusters.use(run.pool) as cluster:
+                reconciler = run.reconciler = self._reconciler(run.pool, cluster)
+                try:
+                    await reconciler.run()
+                finally:
+                    if run.remove:
+                        await self._remove_workers(reconciler)
+        finally:
+            run.reconciler = None
 
     async def handle_connection(self, tcp: trio.SocketStream, context: ssl.SSLContext) -> None:
         """One accepted connection: counted against the limits first (closed at once, before
@@ -621,6 +666,7 @@ def _json_mapping(body: bytes) -> dict[str, Any]:
 class _PoolRun:
     pool: PoolConfig
     reconciler: PoolReconciler | None = None
+    elector: LeaderElector | None = None
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     done: trio.Event = attrs.field(factory=trio.Event)
     remove: bool = False
@@ -637,7 +683,7 @@ async def serve_controlplane(
     Job (e.g. the controlplane's CA for agents)."""
     context = server_ssl_context(config)
     pools = load_pools(config.worker.pools, config.worker.pool_credentials).pools
-    async with open_task_store(config.database.path) as store, trio.open_nursery() as nursery:
+    async with open_task_store(config.database) as store, trio.open_nursery() as nursery:
         registry = WorkerRegistry(
             {t.worker_id: t.token for t in config.worker.tokens},
             nursery,

@@ -321,7 +321,17 @@ def machine_row(m: MachineView) -> list[str]:
     ]
 
 
-POOL_HEADERS = ("POOL", "SOURCE", "FLAVOR", "ENDPOINT", "NAMESPACE", "MODE", "MACHINES", "ERROR")
+POOL_HEADERS = (
+    "POOL",
+    "SOURCE",
+    "FLAVOR",
+    "ENDPOINT",
+    "NAMESPACE",
+    "MODE",
+    "MACHINES",
+    "LEADER",
+    "ERROR",
+)
 
 
 def pool_row(v: PoolView) -> list[str]:
@@ -333,5 +343,6 @@ def pool_row(v: PoolView) -> list[str]:
         v.namespace,
         "tunnel" if v.tunnel else "direct",
         str(v.machines),
+        v.leader or "-",
         v.error or "-",
     ]

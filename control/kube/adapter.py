@@ -10,8 +10,9 @@ module is the seam a unit test of the reconciler or of the join replaces.
 
 Errors are sorted by what the caller can do, by status and by exception type (never by
 message text): `KubeAuthError` (fix the credentials or RBAC; the message says which verb on
-which resource in which namespace is missing), `KubeNotFound` / `KubeAlreadyExists`
-(expected races, handled by the caller), `KubeUnavailable` (try again next pass; 429 and 5xx
+which resource in which namespace is missing), `KubeNotFound` / `KubeAlreadyExists` /
+`KubeConflict` (expected races, handled by the caller; a conflict is an update whose
+resourceVersion is no longer the object's), `KubeUnavailable` (try again next pass; 429 and 5xx
 were already retried here with capped backoff honouring Retry-After) and its
 `KubeUnreachable` (no answer at all), `KubeTlsError` (the CA is not the endpoint's),
 `KubeconfigError` (an operator's kubeconfig cannot be used), and `KubeError` for the rest.
@@ -85,6 +86,7 @@ __all__ = [
     "KubeApi",
     "KubeAuthError",
     "KubeClient",
+    "KubeConflict",
     "KubeError",
     "KubeExpired",
     "KubeNotFound",
@@ -162,6 +164,14 @@ class KubeNotFound(KubeError):
 class KubeAlreadyExists(KubeError):
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.ALREADY_EXISTS, message, status=409)
+
+
+class KubeConflict(KubeError):
+    """409 on an update: the object changed since the resourceVersion the update carries was
+    read (optimistic concurrency); read it again and decide anew."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.FAILED_PRECONDITION, message, status=409)
 
 
 class KubeExpired(KubeError):
@@ -312,6 +322,8 @@ def translate_api_exception(exc: ApiException, op: Operation, *, pool: str) -> K
         )
     if status == 404:
         return KubeNotFound(f"{prefix}: not found ({server_says or '404'})")
+    if status == 409 and op.verb == "update":
+        return KubeConflict(f"{prefix}: it was changed meanwhile ({server_says or '409'})")
     if status == 409:
         return KubeAlreadyExists(f"{prefix}: already exists ({server_says or '409'})")
     if status == 410:
@@ -639,6 +651,7 @@ class Kind:
 
 
 RBAC_GROUP = "rbac.authorization.k8s.io"
+COORDINATION_GROUP = "coordination.k8s.io"
 KINDS: Mapping[str, Kind] = {
     "Namespace": Kind("namespaces", "", "namespace", namespaced=False),
     "ServiceAccount": Kind("serviceaccounts", "", "namespaced_service_account", namespaced=True),
@@ -1061,6 +1074,40 @@ class KubeClient:
             )
         except KubeAlreadyExists:
             pass
+
+    # -- leases (`control.kube.lease`) -------------------------------------------------------
+
+    def _leases(self) -> k8s.CoordinationV1Api:
+        return k8s.CoordinationV1Api(self._api)
+
+    async def read_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Lease, or None when there is none of that name."""
+        op = Operation("get", "leases", COORDINATION_GROUP, namespace, name)
+        try:
+            found: dict[str, Any] = await self._call(
+                op, self._leases().read_namespaced_lease, name, namespace
+            )
+        except KubeNotFound:
+            return None
+        return found
+
+    async def create_lease(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Create the Lease; `KubeAlreadyExists` when another got there first."""
+        op = Operation("create", "leases", COORDINATION_GROUP, namespace, _name(manifest))
+        created: dict[str, Any] = await self._call(
+            op, self._leases().create_namespaced_lease, namespace, dict(manifest)
+        )
+        return created
+
+    async def replace_lease(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Update the Lease; with the manifest's `metadata.resourceVersion` set, `KubeConflict`
+        when it changed since that version was read."""
+        name = _name(manifest) or ""
+        op = Operation("update", "leases", COORDINATION_GROUP, namespace, name)
+        replaced: dict[str, Any] = await self._call(
+            op, self._leases().replace_namespaced_lease, name, namespace, dict(manifest)
+        )
+        return replaced
 
     # -- objects by kind (`KubeObjects`) ----------------------------------------------------
 

@@ -1,20 +1,22 @@
-"""Task records: what `levers9 run` asked for, where it ran and how it ended, kept in SQLite.
+"""Task records: what `levers9 run` asked for, where it ran and how it ended, kept in a database.
 
 Two halves. The task state machine is a table keyed by (state, event type); `transition` is a
 pure function over it, so every allowed and refused move is unit-tested without a database.
-`TaskStore` is the one adapter to `sqlite3`: it persists records so they survive a
-controlplane restart, scopes every call to a workspace, and turns sqlite errors into
-`ApiError`s.
+`TaskStore` persists records so they survive a controlplane restart and scopes every call to a
+workspace, over one of two databases behind the `Database` interface: one SQLite file (the
+embedded default, `control.tasks.sqlite`) or PostgreSQL (`control.tasks.postgres`, for several
+controlplane replicas), chosen by `config.database` (`control.tasks.databases`). Both speak
+the same SQL (written with `?` placeholders; the PostgreSQL side rewrites them), run each call
+as one transaction in a worker thread, check their schema version at open (a newer one is
+refused, older ones are migrated), and turn their errors into `ApiError`s.
 
-Why one connection driven through `trio.to_thread.run_sync` under a lock, and not a dedicated
-thread: each call is one short transaction, so a thread per call costs little, and there is no
-extra thread whose lifetime must be tied to a nursery. The lock keeps the connection to one
-thread at a time (sqlite3 connections are not safe to share concurrently) and makes each
-read-transition-write atomic with respect to other trio tasks. The thread is not abandoned on
-cancellation, so a cancelled caller never leaves a transaction half done. WAL lets readers of
-the file (backups, a second controlplane reading) proceed while we write.
+Every state change is a compare-and-set on the row's `version`: the record is read, the
+transition computed, and the row updated only where its version is still the one read. A
+replica that lost the race reads again and finds the move already made (the transition is then
+refused, or applied to the newer record), so two replicas can never both move one task, say
+both start it.
 
-Secrets never reach the file: volume credentials are stripped from the spec before it is
+Secrets never reach the database: volume credentials are stripped from the spec before it is
 serialised; the controlplane attaches the workspace's credentials again when it starts the
 task on a worker.
 """
@@ -22,16 +24,12 @@ task on a worker.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import attrs
-import trio
 
 from agent.api.models import VolumeSpec
 from agent.wire.errors import ApiError, ErrorCode, dumps, loads
@@ -274,60 +272,26 @@ def transition(record: TaskRecord, event: TaskEvent, now: float) -> TaskRecord:
 
 # -- the store --------------------------------------------------------------------------------
 
-MIGRATIONS: tuple[str, ...] = (
-    # 1: tasks, ordered by `seq` (AUTOINCREMENT never reuses a number, so FIFO holds even
-    # after deletes).
-    """
-    CREATE TABLE tasks (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        id TEXT NOT NULL UNIQUE,
-        workspace TEXT NOT NULL,
-        state TEXT NOT NULL,
-        spec TEXT NOT NULL,
-        created_at REAL NOT NULL,
-        started_at REAL,
-        running_at REAL,
-        finished_at REAL,
-        worker TEXT,
-        node TEXT,
-        cards TEXT NOT NULL DEFAULT '[]',
-        exit_code INTEGER,
-        reason TEXT
-    );
-    CREATE INDEX tasks_workspace_state ON tasks (workspace, state, seq);
-    CREATE INDEX tasks_state ON tasks (state, seq);
-    CREATE INDEX tasks_worker_state ON tasks (worker, state);
-    """,
-    # 2: what an ended task printed (its container is gone from the worker by then).
-    """
-    CREATE TABLE task_logs (
-        id TEXT PRIMARY KEY REFERENCES tasks (id),
-        lines BLOB NOT NULL
-    );
-    """,
-)
-"""Schema migrations; the file's version is how many of these it has had."""
-
-SCHEMA_VERSION = len(MIGRATIONS)
-
-_COLUMNS = (
+COLUMNS = (
     "id, workspace, state, spec, created_at, started_at, running_at, finished_at, worker, "
-    "node, cards, exit_code, reason"
+    "node, cards, exit_code, reason, version"
 )
+CAS_ATTEMPTS = 8
+"""How often a state change is tried again after another writer moved the row first."""
 
 
 class TaskStoreError(ApiError):
-    """The task database could not be used (locked, unreadable, from a newer controlplane)."""
+    """The task database could not be used (locked, unreachable, from a newer controlplane)."""
 
 
 def _new_id() -> str:
     return f"t-{secrets.token_hex(6)}"
 
 
-def _row_to_record(row: Sequence[Any]) -> TaskRecord:
+def _row_to_record(row: Sequence[Any]) -> tuple[TaskRecord, int]:
     (id_, workspace, state, spec, created_at, started_at, running_at, finished_at, worker,
-     node, cards, exit_code, reason) = row  # fmt: skip
-    return TaskRecord(
+     node, cards, exit_code, reason, version) = row  # fmt: skip
+    record = TaskRecord(
         id=id_,
         workspace=workspace,
         spec=loads(spec.encode(), TaskSpec),
@@ -342,25 +306,11 @@ def _row_to_record(row: Sequence[Any]) -> TaskRecord:
         exit_code=exit_code,
         reason=reason,
     )
+    return record, int(version)
 
 
-def _update(conn: sqlite3.Connection, record: TaskRecord) -> None:
-    conn.execute(
-        "UPDATE tasks SET state=?, started_at=?, running_at=?, finished_at=?, worker=?, "
-        "node=?, cards=?, exit_code=?, reason=? WHERE id=?",
-        (
-            record.state.value,
-            record.started_at,
-            record.running_at,
-            record.finished_at,
-            record.worker,
-            record.node,
-            json.dumps(list(record.cards)),
-            record.exit_code,
-            record.reason,
-            record.id,
-        ),
-    )
+def _records(rows: Iterable[Sequence[Any]]) -> tuple[TaskRecord, ...]:
+    return tuple(_row_to_record(r)[0] for r in rows)
 
 
 def _not_found(task_id: str) -> ApiError:
@@ -372,37 +322,114 @@ def _not_found(task_id: str) -> ApiError:
     )
 
 
-class TaskStore:
-    """Task records in one SQLite file. Open with `open_task_store` (or `TaskStore.open`)."""
+class Rows(Protocol):
+    """What a statement returns: its rows, and how many rows it changed."""
 
-    def __init__(
-        self, conn: sqlite3.Connection, path: str, clock: Callable[[], float] = time.time
-    ) -> None:
-        self._conn = conn
-        self._path = path
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class Tx(Protocol):
+    """One transaction: statements with `?` placeholders."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows: ...
+
+
+class Database(Protocol):
+    """A database the store runs its transactions on, each in a worker thread."""
+
+    where: str
+    """How errors name it: the file's path, or the server's URL without its password."""
+
+    async def run(self, fn: Callable[[Tx], T]) -> T:
+        """`fn` in one transaction, committed when it returns, rolled back when it raises;
+        its errors and the database's translated (`TaskStoreError`, `ApiError`s kept)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class CasConflict(Exception):
+    """The row changed between our read and our write: read again."""
+
+
+def _update(tx: Tx, record: TaskRecord, version: int) -> None:
+    """Write `record` where its row is still at `version` (else `CasConflict`)."""
+    changed = tx.execute(
+        "UPDATE tasks SET state=?, started_at=?, running_at=?, finished_at=?, worker=?, "
+        "node=?, cards=?, exit_code=?, reason=?, version=version+1 WHERE id=? AND version=?",
+        (
+            record.state.value,
+            record.started_at,
+            record.running_at,
+            record.finished_at,
+            record.worker,
+            record.node,
+            json.dumps(list(record.cards)),
+            record.exit_code,
+            record.reason,
+            record.id,
+            version,
+        ),
+    )
+    if changed.rowcount != 1:
+        raise CasConflict(record.id)
+
+
+def _select_one(tx: Tx, workspace: str, task_id: str) -> tuple[TaskRecord, int] | None:
+    row = tx.execute(
+        f"SELECT {COLUMNS} FROM tasks WHERE id=? AND workspace=?", (task_id, workspace)
+    ).fetchone()
+    return None if row is None else _row_to_record(row)
+
+
+def _active_on(tx: Tx, worker: str) -> list[tuple[TaskRecord, int]]:
+    rows = tx.execute(
+        f"SELECT {COLUMNS} FROM tasks WHERE worker=? AND state IN (?, ?) ORDER BY seq",
+        (worker, *(s.value for s in ACTIVE_ON_WORKER)),
+    )
+    return [_row_to_record(r) for r in rows]
+
+
+class TaskStore:
+    """Task records in a `Database`. Open with `open_task_store`."""
+
+    def __init__(self, db: Database, clock: Callable[[], float] = time.time) -> None:
+        self._db = db
         self._clock = clock
-        self._lock = trio.StrictFIFOLock()
         self._closed = False
 
-    @classmethod
-    async def open(
-        cls, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time
-    ) -> TaskStore:
-        path = os.fspath(path)
-        conn = await trio.to_thread.run_sync(_connect, path)
-        return cls(conn, path, clock)
+    @property
+    def where(self) -> str:
+        return self._db.where
 
     async def aclose(self) -> None:
-        async with self._lock:
-            if not self._closed:
-                self._closed = True
-                await trio.to_thread.run_sync(self._conn.close)
+        if not self._closed:
+            self._closed = True
+            await self._db.aclose()
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        async with self._lock:
-            if self._closed:
-                raise TaskStoreError(ErrorCode.UNAVAILABLE, "the task store is closed")
-            return await trio.to_thread.run_sync(_guarded, self._path, fn, self._conn)
+    async def _run(self, fn: Callable[[Tx], T]) -> T:
+        if self._closed:
+            raise TaskStoreError(ErrorCode.UNAVAILABLE, "the task store is closed")
+        return await self._db.run(fn)
+
+    async def _change(self, fn: Callable[[Tx], T]) -> T:
+        """A read-transition-write, tried again while other writers win the race."""
+        for _ in range(CAS_ATTEMPTS):
+            try:
+                return await self._run(fn)
+            except CasConflict:
+                continue
+        raise TaskStoreError(
+            ErrorCode.UNAVAILABLE,
+            f"task database {self.where}: the record kept changing under us; retry shortly",
+        )
 
     async def create(self, workspace: str, spec: TaskSpec) -> TaskRecord:
         """Validate and store a new pending task; its id is fresh and its place in FIFO last."""
@@ -411,34 +438,33 @@ class TaskStore:
         spec_json = dumps(stored).decode()
         now = self._clock()
 
-        def insert(conn: sqlite3.Connection) -> TaskRecord:
-            while True:
-                record = TaskRecord(
-                    id=_new_id(),
-                    workspace=workspace,
-                    spec=stored,
-                    state=TaskState.PENDING,
-                    created_at=now,
-                )
-                try:
-                    with _transaction(conn):
-                        conn.execute(
-                            "INSERT INTO tasks (id, workspace, state, spec, created_at) "
-                            "VALUES (?, ?, ?, ?, ?)",
-                            (record.id, workspace, record.state.value, spec_json, now),
-                        )
-                except sqlite3.IntegrityError:
-                    continue  # an id collision (48 random bits): draw again
-                return record
+        def insert(tx: Tx) -> TaskRecord | None:
+            record = TaskRecord(
+                id=_new_id(),
+                workspace=workspace,
+                spec=stored,
+                state=TaskState.PENDING,
+                created_at=now,
+            )
+            # An id collision (48 random bits) inserts nothing: draw again.
+            inserted = tx.execute(
+                "INSERT INTO tasks (id, workspace, state, spec, created_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (record.id, workspace, record.state.value, spec_json, now),
+            )
+            return record if inserted.rowcount == 1 else None
 
-        return await self._run(insert)
+        while True:
+            created = await self._run(insert)
+            if created is not None:
+                return created
 
     async def get(self, workspace: str, task_id: str) -> TaskRecord:
-        def select(conn: sqlite3.Connection) -> TaskRecord:
-            record = _select_one(conn, workspace, task_id)
-            if record is None:
+        def select(tx: Tx) -> TaskRecord:
+            found = _select_one(tx, workspace, task_id)
+            if found is None:
                 raise _not_found(task_id)
-            return record
+            return found[0]
 
         return await self._run(select)
 
@@ -450,52 +476,52 @@ class TaskStore:
             raise _invalid("limit", f"is {limit}; give 1 or more")
         wanted = None if states is None else [s.value for s in states]
 
-        def select(conn: sqlite3.Connection) -> tuple[TaskRecord, ...]:
-            sql = f"SELECT {_COLUMNS} FROM tasks WHERE workspace=?"
+        def select(tx: Tx) -> tuple[TaskRecord, ...]:
+            sql = f"SELECT {COLUMNS} FROM tasks WHERE workspace=?"
             params: list[Any] = [workspace]
             if wanted is not None:
                 sql += f" AND state IN ({','.join('?' * len(wanted))})"
                 params += wanted
             sql += " ORDER BY seq DESC LIMIT ?"
             params.append(limit)
-            return tuple(_row_to_record(r) for r in conn.execute(sql, params))
+            return _records(tx.execute(sql, params))
 
         return await self._run(select)
 
     async def apply(self, workspace: str, task_id: str, event: TaskEvent) -> TaskRecord:
-        """Move the task by `event` and persist it, in one transaction."""
+        """Move the task by `event` and persist it, compare-and-set on its row version."""
         now = self._clock()
 
-        def move(conn: sqlite3.Connection) -> TaskRecord:
-            with _transaction(conn):
-                record = _select_one(conn, workspace, task_id)
-                if record is None:
-                    raise _not_found(task_id)
-                after = transition(record, event, now)
-                _update(conn, after)
-                return after
+        def move(tx: Tx) -> TaskRecord:
+            found = _select_one(tx, workspace, task_id)
+            if found is None:
+                raise _not_found(task_id)
+            record, version = found
+            after = transition(record, event, now)
+            _update(tx, after, version)
+            return after
 
-        return await self._run(move)
+        return await self._change(move)
 
     async def pending(self, workspace: str | None = None) -> tuple[TaskRecord, ...]:
         """Pending tasks oldest first (the scheduler's queue), of one workspace or all."""
 
-        def select(conn: sqlite3.Connection) -> tuple[TaskRecord, ...]:
-            sql = f"SELECT {_COLUMNS} FROM tasks WHERE state=?"
+        def select(tx: Tx) -> tuple[TaskRecord, ...]:
+            sql = f"SELECT {COLUMNS} FROM tasks WHERE state=?"
             params: list[Any] = [TaskState.PENDING.value]
             if workspace is not None:
                 sql += " AND workspace=?"
                 params.append(workspace)
             sql += " ORDER BY seq"
-            return tuple(_row_to_record(r) for r in conn.execute(sql, params))
+            return _records(tx.execute(sql, params))
 
         return await self._run(select)
 
     async def running_on(self, worker: str) -> tuple[TaskRecord, ...]:
         """Tasks placed on `worker` that have not ended (starting or running), oldest first."""
 
-        def select(conn: sqlite3.Connection) -> tuple[TaskRecord, ...]:
-            return _active_on(conn, worker)
+        def select(tx: Tx) -> tuple[TaskRecord, ...]:
+            return tuple(record for record, _ in _active_on(tx, worker))
 
         return await self._run(select)
 
@@ -503,12 +529,12 @@ class TaskStore:
         """Every task placed on a worker that has not ended (starting or running), oldest
         first: what a restarted controlplane watches again."""
 
-        def select(conn: sqlite3.Connection) -> tuple[TaskRecord, ...]:
-            rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM tasks WHERE state IN (?, ?) ORDER BY seq",
+        def select(tx: Tx) -> tuple[TaskRecord, ...]:
+            rows = tx.execute(
+                f"SELECT {COLUMNS} FROM tasks WHERE state IN (?, ?) ORDER BY seq",
                 tuple(s.value for s in ACTIVE_ON_WORKER),
             )
-            return tuple(_row_to_record(r) for r in rows)
+            return _records(rows)
 
         return await self._run(select)
 
@@ -516,21 +542,22 @@ class TaskStore:
         """Keep an ended task's log (NDJSON lines) for `levers9 task logs` after its worker has
         let the container go."""
 
-        def save(conn: sqlite3.Connection) -> None:
-            with _transaction(conn):
-                conn.execute(
-                    "INSERT OR REPLACE INTO task_logs (id, lines) VALUES (?, ?)", (task_id, lines)
-                )
+        def save(tx: Tx) -> None:
+            tx.execute(
+                "INSERT INTO task_logs (id, lines) VALUES (?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET lines = excluded.lines",
+                (task_id, lines),
+            )
 
         await self._run(save)
 
     async def logs(self, workspace: str, task_id: str) -> bytes | None:
         """The kept log of an ended task, None when none was kept."""
 
-        def select(conn: sqlite3.Connection) -> bytes | None:
-            if _select_one(conn, workspace, task_id) is None:
+        def select(tx: Tx) -> bytes | None:
+            if _select_one(tx, workspace, task_id) is None:
                 raise _not_found(task_id)
-            row = conn.execute("SELECT lines FROM task_logs WHERE id=?", (task_id,)).fetchone()
+            row = tx.execute("SELECT lines FROM task_logs WHERE id=?", (task_id,)).fetchone()
             return None if row is None else bytes(row[0])
 
         return await self._run(select)
@@ -539,115 +566,12 @@ class TaskStore:
         """Mark every starting or running task of `worker` lost; returns those records."""
         now = self._clock()
 
-        def mark(conn: sqlite3.Connection) -> tuple[TaskRecord, ...]:
-            with _transaction(conn):
-                lost = tuple(transition(r, Lost(reason), now) for r in _active_on(conn, worker))
-                for record in lost:
-                    _update(conn, record)
-                return lost
+        def mark(tx: Tx) -> tuple[TaskRecord, ...]:
+            lost = []
+            for record, version in _active_on(tx, worker):
+                after = transition(record, Lost(reason), now)
+                _update(tx, after, version)
+                lost.append(after)
+            return tuple(lost)
 
-        return await self._run(mark)
-
-
-@asynccontextmanager
-async def open_task_store(
-    path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time
-) -> AsyncIterator[TaskStore]:
-    store = await TaskStore.open(path, clock=clock)
-    try:
-        yield store
-    finally:
-        with trio.CancelScope(shield=True):
-            await store.aclose()
-
-
-# -- sqlite, run in a worker thread -----------------------------------------------------------
-
-
-@contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (the connection autocommits
-    otherwise, so the transaction boundaries are ours, not the sqlite3 module's guesses)."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-
-
-def _guarded(path: str, fn: Callable[[sqlite3.Connection], T], conn: sqlite3.Connection) -> T:
-    try:
-        return fn(conn)
-    except sqlite3.OperationalError as exc:
-        # Locked or busy files, full disks, I/O errors: worth retrying later.
-        raise TaskStoreError(
-            ErrorCode.UNAVAILABLE, f"task database {path}: {exc}; retry shortly"
-        ) from None
-    except sqlite3.Error as exc:
-        raise TaskStoreError(ErrorCode.INTERNAL, f"task database {path}: {exc}") from None
-
-
-def _connect(path: str) -> sqlite3.Connection:
-    if path != ":memory:" and not os.path.exists(path):
-        # Specs carry users' environments: the file is for the controlplane's eyes only.
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
-        except OSError as exc:
-            raise TaskStoreError(
-                ErrorCode.UNAVAILABLE,
-                f"task database {path} cannot be created ({exc.strerror}); check the "
-                "configured path and that its directory exists and is writable",
-            ) from None
-    try:
-        conn = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
-    except sqlite3.Error as exc:
-        raise TaskStoreError(
-            ErrorCode.UNAVAILABLE, f"task database {path} cannot be opened: {exc}"
-        ) from None
-    try:
-        _guarded(path, lambda c: _prepare(c, path), conn)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _prepare(conn: sqlite3.Connection, path: str) -> None:
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    with _transaction(conn):
-        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        row = conn.execute("SELECT version FROM schema_version").fetchone()
-        version = 0 if row is None else int(row[0])
-        if version > SCHEMA_VERSION:
-            raise TaskStoreError(
-                ErrorCode.FAILED_PRECONDITION,
-                f"task database {path} has schema version {version}, newer than "
-                f"this controlplane knows ({SCHEMA_VERSION}); run a controlplane at least as "
-                "new as the one that wrote it",
-            )
-        for number in range(version + 1, SCHEMA_VERSION + 1):
-            for statement in MIGRATIONS[number - 1].split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-        if row is None:
-            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-        else:
-            conn.execute("UPDATE schema_version SET version=?", (SCHEMA_VERSION,))
-
-
-def _select_one(conn: sqlite3.Connection, workspace: str, task_id: str) -> TaskRecord | None:
-    row = conn.execute(
-        f"SELECT {_COLUMNS} FROM tasks WHERE id=? AND workspace=?", (task_id, workspace)
-    ).fetchone()
-    return None if row is None else _row_to_record(row)
-
-
-def _active_on(conn: sqlite3.Connection, worker: str) -> tuple[TaskRecord, ...]:
-    rows = conn.execute(
-        f"SELECT {_COLUMNS} FROM tasks WHERE worker=? AND state IN (?, ?) ORDER BY seq",
-        (worker, *(s.value for s in ACTIVE_ON_WORKER)),
-    )
-    return tuple(_row_to_record(r) for r in rows)
+        return await self._change(mark)

@@ -3,11 +3,13 @@
 No kube-apiserver can be installed here, yet the controlplane's Kubernetes adapter must be
 tested against something that the official `kubernetes` client and `kubectl` both accept. This
 module serves core/v1 nodes, pods (with their `log` subresource), secrets, namespaces,
-serviceaccounts and events, batch/v1 jobs and rbac.authorization.k8s.io/v1 roles, clusterroles
-and their bindings with the apiserver's paths, List and Status shapes, discovery documents, label
-and field selectors (an Event's `involvedObject.*`, `reason`, `type` among them, so `kubectl
-describe job` lists a Job's events), JSON merge and strategic merge patches, `limit`/`continue`
-paging, bearer-token authentication and owner-reference cascading on delete.
+serviceaccounts and events, batch/v1 jobs, rbac.authorization.k8s.io/v1 roles, clusterroles
+and their bindings, and coordination.k8s.io/v1 leases (leader election) with the apiserver's
+paths, List and Status shapes, discovery documents, label and field selectors (an Event's
+`involvedObject.*`, `reason`, `type` among them, so `kubectl describe job` lists a Job's events),
+JSON merge and strategic merge patches, `limit`/`continue` paging, bearer-token authentication,
+owner-reference cascading on delete, and optimistic concurrency: a PUT of any resource whose
+`metadata.resourceVersion` is not the stored one is a 409 Conflict.
 
 Every listed resource also serves WATCH (`?watch=true`, its own RBAC verb) as the apiserver
 does: a chunked stream of `{"type", "object"}` lines from a list's resourceVersion (or, without

@@ -30,6 +30,7 @@ import trustme
 from sim.kubeapi.model import (
     ACCESS_REVIEW,
     BY_PATH,
+    COORDINATION,
     KUBE_VERSION,
     RBAC,
     RESOURCES,
@@ -52,7 +53,7 @@ _LIVENESS_S = 1.0
 """How often an idle watch looks whether its client has gone away."""
 
 log = logging.getLogger(__name__)
-_GROUPS = ("batch", RBAC, "authorization.k8s.io", "authentication.k8s.io")
+_GROUPS = ("batch", RBAC, COORDINATION, "authorization.k8s.io", "authentication.k8s.io")
 """The API groups served besides core, all at version v1, in discovery's order."""
 _REVIEWS = {
     "authorization.k8s.io": ("selfsubjectaccessreviews", "SelfSubjectAccessReview"),

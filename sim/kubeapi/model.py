@@ -16,6 +16,7 @@ Obj = dict[str, Any]
 Key = tuple[str, str]
 """(namespace, name); the namespace is "" for cluster-scoped resources."""
 RBAC = "rbac.authorization.k8s.io"
+COORDINATION = "coordination.k8s.io"
 KUBE_VERSION = {
     "major": "1",
     "minor": "30",
@@ -65,6 +66,7 @@ RESOURCES: tuple[Resource, ...] = (
     ),
     Resource(RBAC, "v1", "roles", "Role", True, (), "role"),
     Resource(RBAC, "v1", "rolebindings", "RoleBinding", True, (), "rolebinding"),
+    Resource(COORDINATION, "v1", "leases", "Lease", True, (), "lease"),
 )
 BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES}
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]

@@ -1,10 +1,11 @@
 """Objects as a cluster makes them: GPU nodes, pods with requests and limits, the defaults the
-apiserver fills into a Secret or a Job, and its checks of a core/v1 Event.
+apiserver fills into a Secret or a Job, and its checks of a core/v1 Event and a Lease.
 """
 
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
@@ -259,4 +260,46 @@ def check_event(event: Obj) -> None:
             "Invalid",
             f'Event "{meta["name"]}" is invalid: {listed}',
             {"name": meta["name"], "kind": "events"},
+        )
+
+
+MICRO_TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}(Z|[+-]\d{2}:\d{2})")
+"""A MicroTime as the apiserver decodes it (Go's `time.Parse` with RFC3339Micro): exactly six
+fractional digits, so Python's `isoformat()` of a whole second is refused, as there."""
+
+
+def check_lease(lease: Obj) -> None:
+    """The apiserver's decoding and validation of a coordination.k8s.io/v1 Lease: its times are
+    MicroTimes (else 400, as a body that does not decode), its duration above 0 and its
+    transitions 0 or more (else 422)."""
+    spec = lease.get("spec") or {}
+    name = lease["metadata"]["name"]
+    for field in ("acquireTime", "renewTime"):
+        value = spec.get(field)
+        if value is not None and not (isinstance(value, str) and MICRO_TIME.fullmatch(value)):
+            raise KubeError(
+                400,
+                "BadRequest",
+                f'Lease in version "v1" cannot be handled as a Lease: parsing time {value!r} as '
+                '"2006-01-02T15:04:05.000000Z07:00": cannot parse it as RFC 3339 with microseconds',
+            )
+    problems = []
+    duration = spec.get("leaseDurationSeconds")
+    if duration is not None and (not isinstance(duration, int) or duration <= 0):
+        problems.append(
+            f"spec.leaseDurationSeconds: Invalid value: {duration!r}: must be greater than 0"
+        )
+    transitions = spec.get("leaseTransitions")
+    if transitions is not None and (not isinstance(transitions, int) or transitions < 0):
+        problems.append(
+            f"spec.leaseTransitions: Invalid value: {transitions!r}: must be greater than or "
+            "equal to 0"
+        )
+    if problems:
+        listed = problems[0] if len(problems) == 1 else f"[{', '.join(problems)}]"
+        raise KubeError(
+            422,
+            "Invalid",
+            f'Lease.coordination.k8s.io "{name}" is invalid: {listed}',
+            {"name": name, "group": "coordination.k8s.io", "kind": "leases"},
         )

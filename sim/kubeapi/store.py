@@ -46,6 +46,7 @@ from sim.kubeapi.model import (
 )
 from sim.kubeapi.objects import (
     check_event,
+    check_lease,
     default_job,
     default_secret,
     job_node,
@@ -549,6 +550,8 @@ class KubeStandin:
                 new = default_job(new)
             elif plural == "events":
                 check_event(new)
+            elif plural == "leases":
+                check_lease(new)
             elif plural == "namespaces":
                 new.setdefault("spec", {"finalizers": ["kubernetes"]})
                 new.setdefault("status", {"phase": "Active"})
@@ -938,12 +941,13 @@ class KubeStandin:
             meta = body.get("metadata") or {}
             sent_rv = meta.get("resourceVersion")
             if sent_rv and sent_rv != current["metadata"]["resourceVersion"]:
+                details = {"name": name, "group": res.group, "kind": res.plural}
                 raise KubeError(
                     409,
                     "Conflict",
                     f'Operation cannot be fulfilled on {res.qualified} "{name}": the object has '
                     "been modified; please apply your changes to the latest version and try again",
-                    {"name": name, "kind": res.plural},
+                    {k: v for k, v in details.items() if v},
                 )
             if sub == "status":
                 new = {**current, "status": body.get("status", {})}

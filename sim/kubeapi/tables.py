@@ -57,6 +57,8 @@ def _row(res: Resource, obj: Obj) -> list[Any]:
     if res.plural in ("rolebindings", "clusterrolebindings"):
         ref = obj.get("roleRef") or {}
         return [name, f"{ref.get('kind', '')}/{ref.get('name', '')}", _age(obj)]
+    if res.plural == "leases":
+        return [name, spec.get("holderIdentity") or "", _age(obj)]
     if res.plural == "events":
         involved = obj.get("involvedObject") or {}
         last = (
@@ -81,6 +83,7 @@ _COLUMNS = {
     "clusterroles": ["Name", "Created At"],
     "rolebindings": ["Name", "Role", "Age"],
     "clusterrolebindings": ["Name", "Role", "Age"],
+    "leases": ["Name", "Holder", "Age"],
 }
 
 

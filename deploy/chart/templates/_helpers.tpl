@@ -82,16 +82,53 @@ kept in this cluster.
 {{- end }}
 {{- end }}
 
+{{/*
+"true" when pools are shared out by Leases (leaderElection.enabled, or more than one replica),
+else "".
+*/}}
+{{- define "levers9.leaderElection" -}}
+{{- $election := .Values.leaderElection | default dict }}
+{{- if or $election.enabled (gt (int .Values.replicaCount) 1) }}true{{ end }}
+{{- end }}
+
+{{/* config.leaderElection as the chart renders it (a YAML mapping). */}}
+{{- define "levers9.leaderElectionConfig" -}}
+{{- $election := .Values.leaderElection }}
+{{- dict "enabled" true "namespace" .Release.Namespace "leaseDurationS" (int $election.leaseDurationS) "renewDeadlineS" (float64 $election.renewDeadlineS) "retryPeriodS" (float64 $election.retryPeriodS) | toYaml }}
+{{- end }}
+
 {{/* Refuse values the controlplane cannot run with; each message names the field. */}}
 {{- define "levers9.validate" -}}
 {{- $private := "move them under secretConfig in your private values file (kept outside the repository), which the chart puts in a Secret" }}
 {{- if ne (int .Values.replicaCount) 1 }}
-{{- fail (printf "replicaCount: %v is not supported; the controlplane keeps its task database in one SQLite file on a ReadWriteOnce volume, so set replicaCount: 1" .Values.replicaCount) }}
+{{- fail (printf "replicaCount: %v is not supported yet: several replicas need their task records in PostgreSQL (config.database.url) and worker routing between replicas, which this release does not have; set replicaCount: 1" .Values.replicaCount) }}
 {{- end }}
 {{- if not (kindIs "map" .Values.config) }}
 {{- fail "config: must be a mapping of the controlplane's settings (publicUrl, listen, worker...); see the chart's values.yaml" }}
 {{- end }}
 {{- $c := .Values.config }}
+{{- if hasKey $c "leaderElection" }}
+{{- fail "config.leaderElection: set the chart's leaderElection: values instead (top level, beside replicaCount); the chart renders config.leaderElection from them together with the Role the Leases need" }}
+{{- end }}
+{{- $election := .Values.leaderElection }}
+{{- if not (kindIs "map" $election) }}
+{{- fail "leaderElection: must be a mapping (enabled, leaseDurationS, renewDeadlineS, retryPeriodS); see the chart's values.yaml" }}
+{{- end }}
+{{- range $key := list "leaseDurationS" "renewDeadlineS" "retryPeriodS" }}
+{{- $seconds := index $election $key }}
+{{- if or (kindIs "invalid" $seconds) (kindIs "bool" $seconds) (not (regexMatch "^[0-9]+(\\.[0-9]+)?$" (toString $seconds))) (le (float64 $seconds) 0.0) }}
+{{- fail (printf "leaderElection.%s: %v must be a number of seconds above 0" $key $seconds) }}
+{{- end }}
+{{- end }}
+{{- if ne (float64 $election.leaseDurationS) (float64 (int $election.leaseDurationS)) }}
+{{- fail (printf "leaderElection.leaseDurationS: %v must be a whole number of seconds (a Lease keeps whole seconds)" $election.leaseDurationS) }}
+{{- end }}
+{{- if not (lt (float64 $election.renewDeadlineS) (float64 $election.leaseDurationS)) }}
+{{- fail (printf "leaderElection.renewDeadlineS must be less than leaseDurationS (%v), not %v: a leader must stop reconciling before its Lease can expire" $election.leaseDurationS $election.renewDeadlineS) }}
+{{- end }}
+{{- if not (lt (float64 $election.retryPeriodS) (float64 $election.renewDeadlineS)) }}
+{{- fail (printf "leaderElection.retryPeriodS must be less than renewDeadlineS (%v), not %v: a leader must be able to try renewing more than once" $election.renewDeadlineS $election.retryPeriodS) }}
+{{- end }}
 {{- if not $c.publicUrl }}
 {{- fail "config.publicUrl is empty; set it to the https:// URL that workers and the CLI dial (the Service's address under your DNS name), e.g. config.publicUrl: https://levers9.example.com" }}
 {{- end }}
@@ -104,8 +141,11 @@ kept in this cluster.
 {{- if not .Values.tls.secretName }}
 {{- fail "tls.secretName is empty; make a kubernetes.io/tls Secret for config.publicUrl's host in the release namespace (kubectl create secret tls NAME --cert=FILE --key=FILE, or cert-manager) and set tls.secretName: NAME" }}
 {{- end }}
-{{- if not (and $c.database $c.database.path) }}
-{{- fail "config.database.path is empty; give the task database's file path, e.g. /var/lib/levers9-control/tasks.db (its directory is the volume's mount point)" }}
+{{- if and $c.database $c.database.password }}
+{{- fail (printf "config.database.password: the database password is a secret and must not be in the ConfigMap; %s (secretConfig.database.password)" $private) }}
+{{- end }}
+{{- if not (and $c.database (or $c.database.url $c.database.path)) }}
+{{- fail "config.database.path is empty; give the task database's file path, e.g. /var/lib/levers9-control/tasks.db (its directory is the volume's mount point), or config.database.url for PostgreSQL" }}
 {{- end }}
 {{- if $c.apiTokens }}
 {{- fail (printf "config.apiTokens: API tokens are secrets and must not be in the ConfigMap; %s" $private) }}

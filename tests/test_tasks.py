@@ -9,6 +9,7 @@ import socket
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import pytest
@@ -33,7 +34,9 @@ from control.tasks.store import (
     TransitionError,
     transition,
 )
-from tests.postgres_fixtures import PostgresServer
+
+if TYPE_CHECKING:  # imported by pytest as a plugin, so not here (its asserts are rewritten)
+    from tests.postgres_fixtures import PostgresServer
 
 pytest_plugins = ["tests.postgres_fixtures"]
 

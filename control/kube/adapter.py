@@ -111,6 +111,7 @@ __all__ = [
     "open_kube_client",
     "open_kubeconfig_client",
     "retry_delay",
+    "secret_value",
     "translate_api_exception",
 ]
 
@@ -697,6 +698,18 @@ class Page(Generic[T]):
     continue_token: str | None
 
 
+def secret_value(secret: Mapping[str, Any], key: str) -> str | None:
+    """One value of a Secret as the API returns it (base64 in `data`), decoded; None when the
+    key is missing or not text."""
+    encoded = (secret.get("data") or {}).get(key)
+    if not isinstance(encoded, str):
+        return None
+    try:
+        return base64.b64decode(encoded).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 def object_key(obj: Mapping[str, Any]) -> str:
     """`namespace/name`, or `name` for a cluster-scoped object."""
     meta = obj.get("metadata") or {}
@@ -985,13 +998,7 @@ class KubeClient:
             )
         except KubeNotFound:
             return None
-        encoded = (result.get("data") or {}).get(key)
-        if not isinstance(encoded, str):
-            return None
-        try:
-            return base64.b64decode(encoded).decode()
-        except (ValueError, UnicodeDecodeError):
-            return None
+        return secret_value(result, key)
 
     async def delete_job(self, namespace: str, name: str) -> None:
         op = Operation("delete", "jobs", "batch", namespace, name)

@@ -24,7 +24,6 @@ What is watched, and how narrowly:
 
 from __future__ import annotations
 
-import base64
 import logging
 import random
 from collections import Counter
@@ -36,7 +35,13 @@ import attrs
 import trio
 
 from agent.wire.backoff import BackoffState, next_delay, record_failure
-from control.kube.adapter import Collection, KubeClient, KubeError, open_kube_client
+from control.kube.adapter import (
+    Collection,
+    KubeClient,
+    KubeError,
+    open_kube_client,
+    secret_value,
+)
 from control.kube.informer import RETRY, Change, Informer
 from control.kube.planner import (
     MANAGED_BY_LABEL,
@@ -66,13 +71,7 @@ pods are listed once instead."""
 
 def token_of(secret: dict[str, Any]) -> str | None:
     """A worker token Secret's token (decoded), the only thing its cache keeps."""
-    encoded = (secret.get("data") or {}).get(TOKEN_KEY)
-    if not isinstance(encoded, str):
-        return None
-    try:
-        return base64.b64decode(encoded).decode()
-    except (ValueError, UnicodeDecodeError):
-        return None
+    return secret_value(secret, TOKEN_KEY)
 
 
 @attrs.frozen(eq=False)

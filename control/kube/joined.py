@@ -19,8 +19,7 @@ import yaml
 from agent.wire.errors import ApiError, ErrorCode
 from control.config import ConfigError, JoinedPoolsSettings
 from control.kube.adapter import KubeAlreadyExists, KubeNotFound
-from control.kube.pools import Flavor, KubernetesPool, PoolConfig, in_cluster_connection, load_pools
-from control.kube.pools import own_namespace as pod_namespace
+from control.kube.pools import PoolConfig, load_pools, own_cluster_pool
 
 __all__ = ["JoinedPoolStore", "SecretApi", "own_cluster", "pool_of_secret", "secret_of_pool"]
 
@@ -48,18 +47,9 @@ def own_cluster(settings: JoinedPoolsSettings) -> tuple[PoolConfig, str]:
     """How to reach the controlplane's own cluster (its pod's ServiceAccount), and the
     namespace the joined pools are kept in."""
     where = "config.joinedPools"
-    connection = in_cluster_connection(f"{where}.inCluster")
-    namespace = settings.namespace or pod_namespace(f"{where}.namespace")
-    kube = KubernetesPool(
-        flavor=Flavor.GENERIC,
-        endpoint=connection["endpoint"],
-        ca_data=connection["caData"],
-        credentials_file=connection["credentialsFile"],
-        image="-",
-        namespace=namespace,
-        in_cluster=True,
+    return own_cluster_pool(
+        "joined-pools", settings.namespace, where, connection_field=f"{where}.inCluster"
     )
-    return PoolConfig(name="joined-pools", kubernetes=kube), namespace
 
 
 def secret_name(pool: str) -> str:

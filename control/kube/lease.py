@@ -40,8 +40,7 @@ import trio
 
 from control.config import LeaderElectionSettings
 from control.kube.adapter import KubeAlreadyExists, KubeConflict, KubeError
-from control.kube.pools import Flavor, KubernetesPool, PoolConfig, in_cluster_connection
-from control.kube.pools import own_namespace as pod_namespace
+from control.kube.pools import PoolConfig, own_cluster_pool
 
 __all__ = [
     "Decision",
@@ -274,20 +273,8 @@ def lease_cluster(settings: LeaderElectionSettings, *, pool: str) -> tuple[PoolC
     """How to reach the controlplane's own cluster (its pod's ServiceAccount, as
     `control.kube.joined.own_cluster`), and the namespace of the Leases. Raises `ConfigError`
     outside a pod; a test makes the process look like a pod (`sim.cluster.controlplane_pod`)."""
-    where = "config.leaderElection"
-    connection = in_cluster_connection(where)
-    namespace = settings.namespace or pod_namespace(f"{where}.namespace")
-    kube = KubernetesPool(
-        flavor=Flavor.GENERIC,
-        endpoint=connection["endpoint"],
-        ca_data=connection["caData"],
-        credentials_file=connection["credentialsFile"],
-        image="-",
-        namespace=namespace,
-        in_cluster=True,
-    )
     # Named after the pool, so the client's errors say whose Lease could not be kept.
-    return PoolConfig(name=pool, kubernetes=kube), namespace
+    return own_cluster_pool(pool, settings.namespace, "config.leaderElection")
 
 
 class LeaseApi(Protocol):

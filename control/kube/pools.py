@@ -53,6 +53,7 @@ __all__ = [
     "Toleration",
     "in_cluster_connection",
     "load_pools",
+    "own_cluster_pool",
     "own_namespace",
     "read_credentials",
     "service_account_dir",
@@ -355,6 +356,26 @@ def own_namespace(where: str) -> str:
             f"{where}: cannot read the pod's namespace from {path}: {exc.strerror}; "
             "give the namespace"
         ) from None
+
+
+def own_cluster_pool(
+    name: str, namespace: str | None, where: str, *, connection_field: str | None = None
+) -> tuple[PoolConfig, str]:
+    """The controlplane's own cluster as a pool named `name` (its pod's ServiceAccount), and
+    `namespace` or else the pod's own. `where` is the config block errors name (and
+    `connection_field` the field they name when the pod's ServiceAccount is missing)."""
+    connection = in_cluster_connection(connection_field or where)
+    namespace = namespace or own_namespace(f"{where}.namespace")
+    kube = KubernetesPool(
+        flavor=Flavor.GENERIC,
+        endpoint=connection["endpoint"],
+        ca_data=connection["caData"],
+        credentials_file=connection["credentialsFile"],
+        image="-",
+        namespace=namespace,
+        in_cluster=True,
+    )
+    return PoolConfig(name=name, kubernetes=kube), namespace
 
 
 def read_credentials(pool: PoolConfig) -> Credentials:

@@ -28,7 +28,7 @@ import trio
 
 from agent.wire.errors import ApiError, ErrorCode
 from control.config import DatabaseSettings
-from control.tasks.store import CasConflict, Rows, TaskStoreError, Tx
+from control.tasks.store import CasConflict, Rows, TaskStoreError, Tx, migrations_due
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresDatabase", "open_postgres"]
 
@@ -204,14 +204,7 @@ def _migrate(pool: psycopg_pool.ConnectionPool[Any], where: str) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
         row = conn.execute("SELECT version FROM schema_version").fetchone()
         version = 0 if row is None else int(row[0])
-        if version > SCHEMA_VERSION:
-            raise TaskStoreError(
-                ErrorCode.FAILED_PRECONDITION,
-                f"task database {where} has schema version {version}, newer than "
-                f"this controlplane knows ({SCHEMA_VERSION}); run a controlplane at least as "
-                "new as the one that wrote it",
-            )
-        for number in range(version + 1, SCHEMA_VERSION + 1):
+        for number in migrations_due(version, SCHEMA_VERSION, where):
             conn.execute(MIGRATIONS[number - 1])
         if row is None:
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import trio
 
 from agent.wire.errors import ErrorCode
-from control.tasks.store import Rows, TaskStoreError, Tx
+from control.tasks.store import Rows, TaskStoreError, Tx, migrations_due
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "SqliteDatabase", "open_sqlite"]
 
@@ -164,14 +164,7 @@ def _prepare(conn: sqlite3.Connection, path: str) -> None:
         tx.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
         row = tx.execute("SELECT version FROM schema_version").fetchone()
         version = 0 if row is None else int(row[0])
-        if version > SCHEMA_VERSION:
-            raise TaskStoreError(
-                ErrorCode.FAILED_PRECONDITION,
-                f"task database {path} has schema version {version}, newer than "
-                f"this controlplane knows ({SCHEMA_VERSION}); run a controlplane at least as "
-                "new as the one that wrote it",
-            )
-        for number in range(version + 1, SCHEMA_VERSION + 1):
+        for number in migrations_due(version, SCHEMA_VERSION, path):
             for statement in MIGRATIONS[number - 1].split(";"):
                 if statement.strip():
                     tx.execute(statement)

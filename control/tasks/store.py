@@ -355,6 +355,19 @@ class Database(Protocol):
     async def aclose(self) -> None: ...
 
 
+def migrations_due(version: int, known: int, where: str) -> range:
+    """The numbers of the migrations a database at schema `version` needs to reach `known`;
+    a database from a newer controlplane is refused."""
+    if version > known:
+        raise TaskStoreError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"task database {where} has schema version {version}, newer than "
+            f"this controlplane knows ({known}); run a controlplane at least as "
+            "new as the one that wrote it",
+        )
+    return range(version + 1, known + 1)
+
+
 class CasConflict(Exception):
     """The row changed between our read and our write: read again."""
 

@@ -178,6 +178,9 @@ class ControlConfig:
     tunnels' and the dials of direct workers."""
     workspaces: tuple[WorkspaceConfig, ...] = ()
     joined_pools: JoinedPoolsSettings | None = None
+    drain_s: float = 20.0
+    """On SIGTERM: how long connections (tunnels included) get to finish what is in flight
+    after their GOAWAY; within the pod's termination grace period (30 s by default)."""
     leader_election: LeaderElectionSettings = LeaderElectionSettings()
 
     @property
@@ -389,6 +392,8 @@ def _validate(config: ControlConfig) -> None:
         if seconds is not None and not seconds > 0:
             raise ConfigError(f"config.{key} must be a number of seconds above 0, not {seconds}")
     _validate_database(config.database)
+    if not config.drain_s >= 0:
+        raise ConfigError(f"config.drainS must be 0 or more seconds, not {config.drain_s:g}")
 
 
 def _validate_database(database: DatabaseSettings) -> None:

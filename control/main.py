@@ -20,7 +20,8 @@ log = logging.getLogger("levers9.control")
 
 async def serve_and_reload(paths: list[str], config: ControlConfig) -> None:
     """Serve; on SIGHUP read the values files again and apply their pools (a removed pool's
-    workers are deleted). Other settings take effect at the next start."""
+    workers are deleted; other settings take effect at the next start); on SIGTERM or SIGINT
+    drain (`Controlplane.drain`, for `config.drainS`), then stop."""
     from agent.wire.admission import raise_open_files_limit
     from control.api.server import serve_controlplane
     from control.kube.pools import load_pools
@@ -28,8 +29,13 @@ async def serve_and_reload(paths: list[str], config: ControlConfig) -> None:
     raise_open_files_limit(config.connections.max_total)
     async with trio.open_nursery() as nursery:
         control = await nursery.start(serve_controlplane, config)
-        with trio.open_signal_receiver(signal.SIGHUP) as hangups:
-            async for _ in hangups:
+        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if signum != signal.SIGHUP:
+                    # Stopped (the pod is being replaced): drain, then cancel the rest.
+                    await control.drain(config.drain_s)
+                    nursery.cancel_scope.cancel()
+                    return
                 try:
                     worker = load_files(paths).worker
                     pools = load_pools(worker.pools, worker.pool_credentials).pools

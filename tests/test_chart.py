@@ -719,3 +719,14 @@ def test_records_in_postgresql_need_no_claim_and_keep_the_password_secret(tmp_pa
     stderr = refused(tmp_path, values, private_values())
     assert "config.database.password" in stderr and "secretConfig" in stderr
     assert "pg-secret-2468" not in stderr
+
+
+def test_the_pods_grace_period_covers_the_drain(tmp_path: Path) -> None:
+    docs = render(tmp_path, public_values(), private_values())
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 35  # drainS 20, and the watchers' 5 s
+    values = public_values()
+    values["config"]["drainS"] = 60
+    pod = one(render(tmp_path, values, private_values()), "Deployment")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 75
+    assert load_rendered(tmp_path, render(tmp_path, values, private_values())).drain_s == 60

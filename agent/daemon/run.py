@@ -7,8 +7,9 @@ HTTP/2 inside with the controlplane as the client). The service is the same obje
 modes; only how its connections arrive differs.
 
 Tunnel upkeep lives here too: reconnect with capped, jittered exponential backoff reset after
-a stable period; a maximum tunnel age after which the next tunnel is opened first and the old
-one drained with GOAWAY, so requests in flight finish and new ones take the new tunnel.
+a stable period; a maximum tunnel age, or a GOAWAY from the controlplane (a replica stopping),
+after which the next tunnel is opened first and the old one drained, so requests in flight
+finish and new ones take the new tunnel.
 """
 
 from __future__ import annotations

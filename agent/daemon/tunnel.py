@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Awaitable, Callable
 
 import trio
 import trio_websocket
@@ -68,12 +69,17 @@ async def run_tunnel(config: AgentConfig, service: Service) -> None:
             record_connected(state, trio.current_time())
             log.info("tunnel to %s is up", config.controlplane_url, extra=fields)
             with trio.move_on_after(tc.max_age_s):
-                await conn.wait_closed()
+                await _closed_or_going_away(conn)
             if not conn.closed:
-                # Maximum age: the next tunnel opens first, then this one drains.
+                # Maximum age, or the controlplane replica is going away (it sent GOAWAY as
+                # it stops): the next tunnel opens first (through the Service, to another
+                # replica), then this one drains.
+                going = conn.peer_going_away.is_set()
                 log.info(
-                    "tunnel reached its maximum age; opening the next and draining this one",
-                    extra={**fields, "max_age_s": tc.max_age_s},
+                    "the controlplane is going away; opening the next tunnel and draining this one"
+                    if going
+                    else "tunnel reached its maximum age; opening the next and draining this one",
+                    extra={**fields, "max_age_s": tc.max_age_s, "going_away": going},
                 )
                 nursery.start_soon(_drain, conn, tc.drain_s)
                 continue
@@ -86,6 +92,17 @@ async def run_tunnel(config: AgentConfig, service: Service) -> None:
                 extra={**fields, "reason": conn.close_reason, "delay_s": round(delay, 3)},
             )
             await trio.sleep(delay)
+
+
+async def _closed_or_going_away(conn: Http2Connection) -> None:
+    async with trio.open_nursery() as nursery:
+
+        async def first(wait: Callable[[], Awaitable[object]]) -> None:
+            await wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(first, conn.wait_closed)
+        nursery.start_soon(first, conn.peer_going_away.wait)
 
 
 async def _drain(conn: Http2Connection, drain_s: float) -> None:

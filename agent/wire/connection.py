@@ -436,6 +436,8 @@ class Http2Connection:
         self._closed_by_peer = False
         self._draining = False
         self._closed_event = trio.Event()
+        self.peer_going_away = trio.Event()
+        """Set when the peer sent GOAWAY: it is shutting down or draining this connection."""
         self._ready = trio.Event()
         self._opened = 0
         self._ping_ids = itertools.count(1)
@@ -628,6 +630,7 @@ class Http2Connection:
     def _on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
         last = event.last_stream_id or 0
         self._draining = True
+        self.peer_going_away.set()
         error = int(event.error_code or 0)
         for sid, stream in list(self._streams.items()):
             mine = (sid % 2 == 1) == self.client_side

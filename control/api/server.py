@@ -120,6 +120,11 @@ class Controlplane:
         self._pools_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._clusters: Clusters | None = None
+        self._connections: set[Http2Connection] = set()
+        self._listening = trio.CancelScope()
+        self._listeners: list[trio.SocketListener] = []
+        self.draining = False
+        """Set once `drain` began: no connection is taken any more."""
         self.pool_env: Mapping[str, str] | None = None
         self.identity = config.leader_election.identity or default_identity()
         """This replica's name in the pools' Leases (`config.leaderElection`)."""
@@ -475,6 +480,37 @@ class Controlplane:
         finally:
             run.reconciler = None
 
+    async def drain(self, grace_s: float) -> None:
+        """Stop as a replica being replaced should: take no more connections (the port closes,
+        so the readiness probe fails and the Service stops sending here), send GOAWAY on every
+        connection, tunnels included (their agents open the next tunnel at once, through the
+        Service to another replica), and give what is in flight up to `grace_s` to finish. The
+        caller then cancels the rest; the pools' Leases are released as their loops stop."""
+        self.draining = True
+        self._listening.cancel()
+        for listener in self._listeners:
+            await listener.aclose()
+        connections = list(self._connections)
+        log.info(
+            "draining: the port is closed; GOAWAY on %d connection(s), up to %g s for what "
+            "is in flight",
+            len(connections),
+            grace_s,
+            extra={"connections": len(connections), "grace_s": grace_s},
+        )
+        started = trio.current_time()
+        with trio.move_on_after(grace_s):
+            async with trio.open_nursery() as nursery:
+                for conn in connections:
+                    nursery.start_soon(_drain_quietly, conn)
+        left = sum(1 for conn in connections if not conn.closed and conn.statistics().open_streams)
+        log.info(
+            "drained in %.1f s; %d connection(s) still busy are cut",
+            trio.current_time() - started,
+            left,
+            extra={"duration_s": round(trio.current_time() - started, 3), "connections": left},
+        )
+
     async def handle_connection(self, tcp: trio.SocketStream, context: ssl.SSLContext) -> None:
         """One accepted connection: counted against the limits first (closed at once, before
         TLS, when over one), then TLS, then the API (h2) or a tunnel (http/1.1)."""
@@ -517,9 +553,14 @@ class Controlplane:
                 first_request_timeout_s=self.limits.first_request_timeout_s,
                 idle_timeout_s=self.limits.idle_timeout_s,
             )
-            with contextlib.suppress(ConnectionLost):
-                # Gone before it was ready (reset right after the handshake): nothing to serve.
-                await conn.run()
+            self._connections.add(conn)
+            try:
+                with contextlib.suppress(ConnectionLost):
+                    # Gone before it was ready (reset right after the handshake): nothing to
+                    # serve.
+                    await conn.run()
+            finally:
+                self._connections.discard(conn)
             closed = conn.close_reason
             if closed and not conn.closed_by_peer and conn.statistics().streams_opened == 0:
                 self._early.failed(peer, source, closed, trio.current_time())
@@ -582,9 +623,11 @@ class Controlplane:
                 extra={"worker": worker_id},
             )
             nursery.start_soon(self._learn, worker_id, client)
+            self._connections.add(conn)
             try:
                 await conn.wait_closed()
             finally:
+                self._connections.discard(conn)
                 self.registry.detach_tunnel(worker_id, client)
                 log.info(
                     "tunnel of worker %s closed: %s",
@@ -640,6 +683,11 @@ def _machine_view(machine: Machine) -> MachineView:
         if worker is None
         else MachineWorker(state=WorkerState(worker.state), age_seconds=worker.age_seconds),
     )
+
+
+async def _drain_quietly(conn: Http2Connection) -> None:
+    with contextlib.suppress(trio.BrokenResourceError, ConnectionLost):
+        await conn.drain()
 
 
 def _peer(tcp: trio.SocketStream) -> str:
@@ -710,8 +758,21 @@ async def serve_controlplane(
         async def handle(tcp: trio.SocketStream) -> None:
             await control.handle_connection(tcp, context)
 
+        control._listeners = listeners
+
+        async def listen(
+            *,
+            task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
+            # Connections are served in the main nursery: stopping the accept loops (a drain)
+            # leaves them running. Each loop closes its listener as it ends.
+            with control._listening:
+                await trio.serve_listeners(
+                    handle, listeners, handler_nursery=nursery, task_status=task_status
+                )
+
         await nursery.start(dispatcher.run)
-        await nursery.start(trio.serve_listeners, handle, listeners)
+        await nursery.start(listen)
         log.info(
             "controlplane listening on %s:%d",
             config.listen_host,

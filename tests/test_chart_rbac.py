@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -19,7 +19,6 @@ from control.models import TaskRequest
 from sim.cluster import PoolSpec, open_cluster, pod_environment
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
-from tests.registry_fixtures import SharedRegistry
 from tests.test_chart import (
     NAMESPACE,
     in_cluster_pool,
@@ -28,6 +27,10 @@ from tests.test_chart import (
     public_values,
     render,
 )
+
+if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
+    # from being rewritten
+    from tests.registry_fixtures import SharedRegistry
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
 

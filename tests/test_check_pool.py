@@ -14,6 +14,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
@@ -21,7 +22,10 @@ import trio
 from control.models import TaskView
 from sim.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
 from sim.kubeapi.store import KubeStandin
-from tests.registry_fixtures import SharedRegistry
+
+if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
+    # from being rewritten
+    from tests.registry_fixtures import SharedRegistry
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (CI runs as root)")

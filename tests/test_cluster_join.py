@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trustme
@@ -40,7 +40,10 @@ from control.kube.pools import load_pools
 from sim.cluster import OWN_NAMESPACE, POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
-from tests.registry_fixtures import SharedRegistry
+
+if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
+    # from being rewritten
+    from tests.registry_fixtures import SharedRegistry
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
 

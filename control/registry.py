@@ -6,14 +6,25 @@ tunnel worker dials us; the acceptor hands its connection here. Callers ask `cli
 and get a `WorkerClient` either way, waiting (under their own deadline) for a tunnel that is
 reconnecting. When a tunnel is replaced (maximum age, reconnect), new requests take the new
 one while the old one drains.
+
+With several replicas (`Replication`), what one replica learns is kept in the directory
+(`control.replicas.directory`) for the others: each worker's token as a hash (a tunnel is
+authenticated wherever it lands), its registration, and which replica owns it. The owner holds
+its tunnel (taken by force when a tunnel arrives: an agent keeps exactly one), or for a direct
+worker or a worker with tasks and no live owner, took it when nobody held it. Only the owner
+schedules onto a worker and watches its tasks; `client_for` on any other replica gives a
+client whose requests the owner forwards (`control.replicas.forward`), and a direct worker is
+dialed by any replica that knows its token. `sync` (every third of the lease) renews this
+replica's claims and reads everyone else's.
 """
 
 from __future__ import annotations
 
+import builtins
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import attrs
 import trio
@@ -23,9 +34,28 @@ from agent.api.models import Registration, WorkerInfo, WorkerSummary
 from agent.wire.connection import Http2Connection, KeepaliveConfig
 from agent.wire.errors import ApiError, ErrorCode
 from agent.wire.http2 import Http2Settings
-from agent.wire.tls import PinMismatchError, TLSStream, pinned_client_context
+from control.replicas.directory import Directory, OwnerAddress, WorkerRow, token_hash
+from control.replicas.forward import Peers, dial_pinned
 
 log = logging.getLogger("levers9.registry")
+
+OWNER_POLL_S = 0.5
+"""How often a caller waiting for a worker with no reachable owner looks again."""
+OWNER_CACHE_S = 1.0
+"""How long a worker's owner, once read from the directory, is taken as known: a forwarded
+call then costs no database round trip; a tunnel that moved meanwhile is found within it."""
+
+
+@attrs.define(eq=False)
+class Replication:
+    """This replica's part in several: its name, the shared directory, and (with a replica
+    secret) the connections it forwards on."""
+
+    directory: Directory
+    replica: str
+    lease_s: float
+    peers: Peers | None = None
+    """None: no replica secret is configured; a worker owned elsewhere is waited for."""
 
 
 @attrs.define
@@ -63,8 +93,19 @@ class WorkerRegistry:
         *,
         settings: Http2Settings | None = None,
         keepalive: KeepaliveConfig | None = None,
+        replication: Replication | None = None,
     ) -> None:
         self._entries = {wid: WorkerEntry(wid, token) for wid, token in tokens.items()}
+        self._configured = dict(tokens)
+        self.replication = replication
+        self._rows: dict[str, WorkerRow] = {}
+        """The directory's workers as last read (every replica's)."""
+        self._hashes: dict[str, str] = {}
+        """Token hash → worker id, from the directory."""
+        self._owned: set[str] = set()
+        """Workers this replica holds a claim on (with replication)."""
+        self._owner_cache: dict[str, tuple[OwnerAddress, float]] = {}
+        self._clock: Callable[[], float] = time.time
         self._nursery = nursery
         self._settings = settings
         self._keepalive = keepalive
@@ -80,49 +121,86 @@ class WorkerRegistry:
 
     # -- who is who --
 
-    def add_worker(self, worker_id: str, token: str) -> None:
+    async def add_worker(self, worker_id: str, token: str) -> None:
         """Accept a worker the controlplane started (its token minted for its Job)."""
         entry = self._entries.get(worker_id)
         if entry is None:
             self._entries[worker_id] = WorkerEntry(worker_id, token)
         else:
             entry.token = token
+        if self.replication is not None:
+            hashed = token_hash(token)
+            self._hashes[hashed] = worker_id
+            await self.replication.directory.add_worker(worker_id, hashed)
 
     async def remove_worker(self, worker_id: str) -> None:
         """Forget a worker (its Job is gone): its token stops working, its clients close."""
+        if self.replication is not None:
+            await self.replication.directory.remove_worker(worker_id)
+            self._forget_row(worker_id)
+        self._owned.discard(worker_id)
         entry = self._entries.pop(worker_id, None)
         if entry is None:
             return
+        await self._close_clients(entry)
+        self._notify()
+
+    def _forget_row(self, worker_id: str) -> None:
+        row = self._rows.pop(worker_id, None)
+        if row is not None and row.token_hash is not None:
+            self._hashes.pop(row.token_hash, None)
+
+    async def _close_clients(self, entry: WorkerEntry) -> None:
         for client in (entry.direct, entry.tunnel):
             if client is not None:
                 await client.aclose()
-        self._notify()
+
+    def has_token(self, worker_id: str) -> bool:
+        """Whether this replica holds the worker's token itself (not only its hash)."""
+        return worker_id in self._entries
 
     def knows(self, worker_id: str) -> bool:
-        return worker_id in self._entries
+        return worker_id in self._entries or worker_id in self._rows
 
     def last_seen(self, worker_id: str, now: float) -> float | None:
         """When the worker was last heard from: now while it is connected, else when it last
         registered or opened a tunnel; None if never."""
         entry = self._entries.get(worker_id)
-        if entry is None:
-            return None
-        if entry.tunnel is not None and entry.tunnel.conn.usable:
+        row = self._rows.get(worker_id)
+        if entry is not None and entry.tunnel is not None and entry.tunnel.conn.usable:
             return now
-        return entry.registered_at
+        if row is not None and row.owner is not None and (row.owner_expires or 0) > now:
+            return now  # another replica holds it
+        seen = (entry.registered_at if entry is not None else None, _registered_at(row))
+        times = [t for t in seen if t is not None]
+        return max(times) if times else None
 
     def authenticate_worker(self, presented: str) -> str | None:
-        """The worker id whose token this is, or None. Constant-time per comparison."""
+        """The worker id whose token this is, or None. Constant-time per comparison; a token
+        another replica accepted is known by its hash in the directory."""
         found = None
         for entry in self._entries.values():
             if hmac.compare_digest(entry.token.encode(), presented.encode()):
                 found = entry.worker_id
+        if found is None and self._hashes:
+            found = self._hashes.get(token_hash(presented))
+            if found is not None:
+                self._learn_token(found, presented)
         return found
 
     def check_token(self, worker_id: str, presented: str) -> bool:
         entry = self._entries.get(worker_id)
         expected = entry.token if entry is not None else "\0" * 32
-        return hmac.compare_digest(expected.encode(), presented.encode()) and entry is not None
+        if hmac.compare_digest(expected.encode(), presented.encode()) and entry is not None:
+            return True
+        if entry is None and self._hashes.get(token_hash(presented)) == worker_id:
+            self._learn_token(worker_id, presented)
+            return True
+        return False
+
+    def _learn_token(self, worker_id: str, token: str) -> None:
+        if worker_id not in self._entries:
+            self._entries[worker_id] = WorkerEntry(worker_id, token)
 
     def _entry(self, worker_id: str) -> WorkerEntry:
         entry = self._entries.get(worker_id)
@@ -132,7 +210,15 @@ class WorkerRegistry:
 
     # -- direct mode --
 
-    def register(self, registration: Registration) -> None:
+    async def register(self, registration: Registration) -> None:
+        self._apply_registration(registration, time.time())
+        if self.replication is not None:
+            entry = self._entry(registration.worker_id)
+            await self.replication.directory.save_facts(entry.worker_id, _facts(entry))
+            if entry.mode == "direct":
+                await self._claim(entry.worker_id, force=False)
+
+    def _apply_registration(self, registration: Registration, now: float) -> None:
         entry = self._entry(registration.worker_id)
         if registration.mode == "direct":
             if not registration.address or not registration.fingerprint:
@@ -159,13 +245,16 @@ class WorkerRegistry:
         entry.cpu_millis = registration.cpu_millis or 0
         entry.memory_bytes = registration.memory_bytes or 0
         entry.runs_containers = registration.containers
-        entry.registered_at = time.time()
+        entry.registered_at = now
         self._notify()
 
-    def deregister(self, worker_id: str) -> None:
+    async def deregister(self, worker_id: str) -> None:
         """The worker is winding down: it stays reachable (its tasks' logs) but takes no more
         tasks."""
-        self._entry(worker_id).draining = True
+        entry = self._entry(worker_id)
+        entry.draining = True
+        if self.replication is not None:
+            await self.replication.directory.save_facts(worker_id, _facts(entry))
         self._notify()
 
     def entries(self) -> list[WorkerEntry]:
@@ -182,36 +271,8 @@ class WorkerRegistry:
 
     async def _dial_direct(self, entry: WorkerEntry) -> WorkerClient:
         assert entry.address is not None and entry.fingerprint is not None
-        host, _, port = entry.address.rpartition(":")
-        host = host.strip("[]")
-        try:
-            tcp = await trio.open_tcp_stream(host, int(port))
-        except OSError as exc:
-            raise ApiError(
-                ErrorCode.UNAVAILABLE,
-                f"worker {entry.worker_id} at {entry.address} is unreachable: {exc.strerror}",
-            ) from None
-        tls = TLSStream(
-            tcp,
-            pinned_client_context(alpn=("h2",)),
-            server_side=False,
-            expected_fingerprint=entry.fingerprint,
-        )
-        try:
-            await tls.do_handshake()
-        except PinMismatchError:
-            await tls.aclose()
-            raise ApiError(
-                ErrorCode.UNAVAILABLE,
-                f"worker {entry.worker_id} at {entry.address} presented a certificate that is "
-                "not the one it registered; refusing to talk to it",
-            ) from None
-        except trio.BrokenResourceError as exc:
-            await tls.aclose()
-            raise ApiError(
-                ErrorCode.UNAVAILABLE,
-                f"TLS with worker {entry.worker_id} at {entry.address} failed: {exc}",
-            ) from None
+        where = f"worker {entry.worker_id} at {entry.address}"
+        tls = await dial_pinned(entry.address, entry.fingerprint, where, "registered")
         conn = Http2Connection(
             tls,
             client_side=True,
@@ -224,9 +285,14 @@ class WorkerRegistry:
 
     # -- tunnel mode --
 
-    def attach_tunnel(
+    async def attach_tunnel(
         self, worker_id: str, client: WorkerClient, *, version: str | None = None
     ) -> None:
+        """The worker's tunnel landed here: this replica owns it now, whoever did before."""
+        self._attach(worker_id, client, version)
+        await self._claim(worker_id, force=True)
+
+    def _attach(self, worker_id: str, client: WorkerClient, version: str | None) -> None:
         entry = self._entry(worker_id)
         old = entry.tunnel
         entry.tunnel = client
@@ -253,27 +319,92 @@ class WorkerRegistry:
         if entry is not None and entry.tunnel is client:
             entry.tunnel = None
             self._notify()
+        # The claim stays until it lapses or the next tunnel lands elsewhere and takes it:
+        # the agent reconnects within its backoff, most likely here again.
 
     # -- callers --
 
     async def client_for(self, worker_id: str) -> WorkerClient:
         """A usable client for the worker; waits for it to (re)connect under the caller's
         deadline (wrap the call in trio.fail_after)."""
-        entry = self._entry(worker_id)
+        if self.replication is None:
+            self._entry(worker_id)  # NOT_FOUND for an unknown worker
+        elif not self.knows(worker_id):
+            raise ApiError(ErrorCode.NOT_FOUND, f"no worker {worker_id!r} is known")
         while True:
-            if entry.tunnel is not None and entry.tunnel.conn.usable:
-                return entry.tunnel
-            if entry.mode == "direct" and entry.address and entry.fingerprint:
-                lock = self._dial_locks.setdefault(worker_id, trio.Lock())
-                async with lock:
-                    if entry.direct is None or not entry.direct.conn.usable:
-                        entry.direct = await self._dial_direct(entry)
-                    return entry.direct
-            await self._changed.park()
+            local = await self._local(worker_id)
+            if local is not None:
+                return local
+            if self.replication is None:
+                await self._changed.park()
+                continue
+            remote = await self._forwarded(worker_id)
+            if remote is not None:
+                return remote
+            with trio.move_on_after(OWNER_POLL_S):
+                await self._changed.park()
 
-    def list(self) -> list[WorkerSummary]:
-        return [
-            WorkerSummary(
+    async def local_client(self, worker_id: str) -> WorkerClient:
+        """This replica's own connection to the worker (its tunnel, or a direct dial), never a
+        forwarded one: what a forwarded request is served from."""
+        local = await self._local(worker_id)
+        if local is None:
+            raise ApiError(
+                ErrorCode.UNAVAILABLE, f"worker {worker_id} is not connected to this replica"
+            )
+        return local
+
+    async def _local(self, worker_id: str) -> WorkerClient | None:
+        entry = self._entries.get(worker_id)
+        if entry is None:
+            return None
+        if entry.tunnel is not None and entry.tunnel.conn.usable:
+            return entry.tunnel
+        if entry.mode == "direct" and entry.address and entry.fingerprint:
+            lock = self._dial_locks.setdefault(worker_id, trio.Lock())
+            async with lock:
+                if entry.direct is None or not entry.direct.conn.usable:
+                    entry.direct = await self._dial_direct(entry)
+                return entry.direct
+        return None
+
+    async def _forwarded(self, worker_id: str) -> WorkerClient | None:
+        """A client through the worker's owner, when another live replica owns it."""
+        assert self.replication is not None
+        if self.replication.peers is None:
+            return None
+        now = self._clock()
+        cached = self._owner_cache.get(worker_id)
+        if cached is not None and cached[1] > now:
+            owner: OwnerAddress | None = cached[0]
+        else:
+            owner = await self.replication.directory.owner(worker_id, now)
+            if owner is not None:
+                self._owner_cache[worker_id] = (owner, now + OWNER_CACHE_S)
+        if owner is None or owner.replica == self.replication.replica:
+            self._owner_cache.pop(worker_id, None)
+            return None
+        if worker_id in self._owned:
+            # Taken by the replica its tunnel landed on: its watchers hand over now, not at
+            # the next renewal.
+            self._owned.discard(worker_id)
+            self._notify()
+        try:
+            return await self.replication.peers.client_for(owner, worker_id)
+        except ApiError as exc:
+            self._owner_cache.pop(worker_id, None)
+            if exc.code is not ErrorCode.UNAVAILABLE:
+                raise
+            # The owner is gone (killed: its claim lapses within the lease) or unreachable
+            # for now: look again.
+            return None
+
+    def list(self) -> builtins.list[WorkerSummary]:
+        """Every worker any replica knows: this replica's own view of those it holds, the
+        directory's of the rest."""
+        now = self._clock()
+        out = {
+            e.worker_id: WorkerSummary(
                 worker_id=e.worker_id,
                 mode=e.mode or "unknown",
                 connected=e.connected() or (e.mode == "direct" and e.registered_at is not None),
@@ -282,12 +413,179 @@ class WorkerRegistry:
                 node=e.node,
                 registered_at=e.registered_at,
                 cards=e.cards,
+                replica=self._holder(e.worker_id, now),
             )
-            for e in sorted(self._entries.values(), key=lambda e: e.worker_id)
-        ]
+            for e in self._entries.values()
+            if self.replication is None
+            or e.worker_id in self._owned
+            or e.worker_id not in self._rows
+        }
+        for row in self._rows.values():
+            if row.worker_id in out:
+                continue
+            facts = row.facts or {}
+            out[row.worker_id] = WorkerSummary(
+                worker_id=row.worker_id,
+                mode=str(facts.get("mode") or "unknown"),
+                connected=row.owner is not None and (row.owner_expires or 0) > now,
+                version=facts.get("version"),
+                address=facts.get("address"),
+                node=facts.get("node"),
+                registered_at=facts.get("registeredAt"),
+                cards=int(facts.get("cards") or 0),
+                replica=self._holder(row.worker_id, now),
+            )
+        return [out[k] for k in sorted(out)]
+
+    # -- ownership (several replicas) ---------------------------------------------------------
+
+    def _holder(self, worker_id: str, now: float) -> str | None:
+        if self.replication is None:
+            return None
+        if worker_id in self._owned:
+            return self.replication.replica
+        row = self._rows.get(worker_id)
+        if row is None or row.owner is None or (row.owner_expires or 0) <= now:
+            return None
+        return row.owner
+
+    def owns(self, worker_id: str) -> bool:
+        """Whether this replica schedules onto the worker and watches its tasks (always, with
+        no replication)."""
+        return self.replication is None or worker_id in self._owned
+
+    def owned_ids(self) -> set[str]:
+        """The workers this replica holds a claim on (with replication), known here or not."""
+        return set(self._owned)
+
+    def owned_entries(self) -> builtins.list[WorkerEntry]:
+        return [e for e in self._entries.values() if self.owns(e.worker_id)]
+
+    async def _claim(self, worker_id: str, *, force: bool) -> bool:
+        assert self.replication is not None
+        now = self._clock()
+        taken = await self.replication.directory.claim(
+            worker_id,
+            self.replication.replica,
+            now=now,
+            until=now + self.replication.lease_s,
+            force=force,
+        )
+        if taken:
+            self._owner_cache.pop(worker_id, None)
+        if taken and worker_id not in self._owned:
+            self._owned.add(worker_id)
+            log.info("this replica owns worker %s now", worker_id, extra={"worker": worker_id})
+            self._notify()
+        return taken
+
+    async def sync(self, claim: Collection[str] = ()) -> None:
+        """Renew this replica's claims, read the directory, and take the workers in `claim`
+        (those with tasks and no live owner) and the direct workers this replica can dial that
+        nobody holds."""
+        assert self.replication is not None
+        replication = self.replication
+        now = self._clock()
+        until = now + replication.lease_s
+        held = await replication.directory.renew(replication.replica, sorted(self._owned), until)
+        lost = self._owned - held
+        rows = {row.worker_id: row for row in await replication.directory.workers()}
+        self._rows = rows
+        self._hashes = {r.token_hash: r.worker_id for r in rows.values() if r.token_hash}
+        changed = bool(lost)
+        for worker_id in lost:
+            self._owned.discard(worker_id)
+            owner = rows[worker_id].owner if worker_id in rows else None
+            log.info(
+                "worker %s is owned by %s now",
+                worker_id,
+                owner or "nobody",
+                extra={"worker": worker_id, "replica": owner or ""},
+            )
+        for worker_id, entry in list(self._entries.items()):
+            row = rows.get(worker_id)
+            if row is None and worker_id not in self._configured:
+                # Removed by the replica leading its pool.
+                del self._entries[worker_id]
+                self._owned.discard(worker_id)
+                await self._close_clients(entry)
+                changed = True
+                continue
+            if row is not None and row.facts:
+                changed |= _refresh(entry, row.facts)
+        for worker_id, row in rows.items():
+            if worker_id in self._owned:
+                continue
+            lapsed = row.owner is None or (row.owner_expires or 0) <= now
+            if not lapsed:
+                continue
+            known = self._entries.get(worker_id)
+            tunnel_here = known is not None and known.tunnel is not None and known.connected()
+            dialable = (
+                known is not None
+                and (row.facts or {}).get("mode") == "direct"
+                and (row.facts or {}).get("address")
+            )
+            if tunnel_here or dialable or worker_id in claim:
+                # A worker with tasks is taken even when its token is not known here: its
+                # watchers wait for it, and lose it to the replica its tunnel lands on.
+                changed |= await self._claim(worker_id, force=False)
+        if changed:
+            self._notify()
+
+    async def leave(self) -> None:
+        """Stopping: the workers this replica held are free to take at once."""
+        if self.replication is not None:
+            await self.replication.directory.leave(self.replication.replica)
+            self._owned.clear()
 
     async def aclose(self) -> None:
         for entry in self._entries.values():
-            for client in (entry.direct, entry.tunnel):
-                if client is not None:
-                    await client.aclose()
+            await self._close_clients(entry)
+        if self.replication is not None and self.replication.peers is not None:
+            await self.replication.peers.aclose()
+
+
+def _facts(entry: WorkerEntry) -> dict[str, object]:
+    """What the directory keeps of a worker's registration (no token)."""
+    return {
+        "mode": entry.mode,
+        "version": entry.version,
+        "address": entry.address,
+        "fingerprint": entry.fingerprint,
+        "node": entry.node,
+        "cards": entry.cards,
+        "cardIds": list(entry.card_ids),
+        "cpuMillis": entry.cpu_millis,
+        "memoryBytes": entry.memory_bytes,
+        "containers": entry.runs_containers,
+        "draining": entry.draining,
+        "registeredAt": entry.registered_at,
+    }
+
+
+def _registered_at(row: WorkerRow | None) -> float | None:
+    if row is None or not row.facts:
+        return None
+    value = row.facts.get("registeredAt")
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _refresh(entry: WorkerEntry, facts: dict[str, object]) -> bool:
+    """Take a registration another replica received, if newer than what this one has."""
+    at = facts.get("registeredAt")
+    if not isinstance(at, int | float) or (entry.registered_at or 0) >= at:
+        return False
+    entry.mode = str(facts.get("mode") or entry.mode or "")
+    entry.version = facts.get("version") or entry.version  # type: ignore[assignment]
+    entry.address = facts.get("address")  # type: ignore[assignment]
+    entry.fingerprint = facts.get("fingerprint")  # type: ignore[assignment]
+    entry.node = facts.get("node")  # type: ignore[assignment]
+    entry.card_ids = tuple(facts.get("cardIds") or ())  # type: ignore[arg-type]
+    entry.cards = int(facts.get("cards") or 0)  # type: ignore[call-overload]
+    entry.cpu_millis = int(facts.get("cpuMillis") or 0)  # type: ignore[call-overload]
+    entry.memory_bytes = int(facts.get("memoryBytes") or 0)  # type: ignore[call-overload]
+    entry.runs_containers = bool(facts.get("containers"))
+    entry.draining = bool(facts.get("draining"))
+    entry.registered_at = float(at)
+    return True

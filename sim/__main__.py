@@ -2,6 +2,8 @@
 
 - `python -m sim demo` runs the demo (`make demo`): a stand-in cluster with two GPU nodes, the
   controlplane's workers on them in direct and tunnel mode, GPU tasks and an endpoint.
+- `python -m sim demo-ha` (`make demo-ha`): three controlplane replicas over PostgreSQL behind
+  one Service, and the one holding a running task's worker killed; the task goes on.
 - `python -m sim cluster [--nodes N] [--pods-per-node M] [--dir DIR]` serves the Kubernetes
   API stand-in with N eight-card GPU nodes over TLS on loopback, writes a kubeconfig and
   serves until Ctrl-C, for a `kubectl` session or a controlplane of your own.
@@ -58,6 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="run the demo end to end (what `make demo` runs)")
+    commands.add_parser(
+        "demo-ha",
+        help="three controlplane replicas over PostgreSQL, one killed mid-task "
+        "(what `make demo-ha` runs)",
+    )
     cluster = commands.add_parser("cluster", help="serve the Kubernetes API stand-in")
     cluster.add_argument("--nodes", type=int, default=2, help="GPU nodes (8 cards each)")
     cluster.add_argument("--pods-per-node", type=int, default=0, help="neighbour pods per node")
@@ -75,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sim.demo import main as demo
 
         return demo()
+    if args.command == "demo-ha":
+        from sim.demo_ha import main as demo_ha
+
+        return demo_ha()
     if args.nodes < 0 or args.pods_per_node < 0:
         parser.error("--nodes and --pods-per-node must be 0 or more")
     return _cluster(args)

@@ -103,20 +103,24 @@ def controlplane_pod(kube: KubeStandin, directory: Path) -> dict[str, str]:
     ]
     kube.add_namespace(OWN_NAMESPACE)
     kube.create("serviceaccounts", {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta})
+    _bind_role(kube, meta["name"], rules)
+    return pod_environment(kube, OWN_NAMESPACE, meta["name"], directory)
+
+
+def _bind_role(kube: KubeStandin, name: str, rules: list[dict[str, Any]]) -> None:
+    """A Role `name` with `rules` in the controlplane's namespace, bound to its
+    ServiceAccount."""
+    meta = {"name": name, "namespace": OWN_NAMESPACE}
+    account = {"kind": "ServiceAccount", "name": "levers9-control", "namespace": OWN_NAMESPACE}
     kube.create("roles", {"metadata": meta, "rules": rules})
     kube.create(
         "rolebindings",
         {
             "metadata": meta,
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "Role",
-                "name": meta["name"],
-            },
-            "subjects": [{"kind": "ServiceAccount", **meta}],
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [account],
         },
     )
-    return pod_environment(kube, OWN_NAMESPACE, meta["name"], directory)
 
 
 def pod_environment(
@@ -149,6 +153,55 @@ def pod_environment(
     }
 
 
+def agent_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the simulated kubelet adds to every agent's environment: quick registrations and
+    pings, no disk floor, then `extra`."""
+    return {
+        "LEVERS9_LOG_LEVEL": "INFO",
+        "LEVERS9_FREE_FLOOR_BYTES": "0",
+        "LEVERS9_OBJECT_BUDGET_BYTES": str(4 << 30),
+        "LEVERS9_REGISTER_INTERVAL_S": "2",
+        "LEVERS9_PING_INTERVAL_S": "2",
+        "LEVERS9_PING_TIMEOUT_S": "4",
+        **(extra or {}),
+    }
+
+
+def grant_leases(kube: KubeStandin) -> None:
+    """What the chart grants the controlplane's ServiceAccount (`controlplane_pod`) for leader
+    election: leases, get, create and update, in its own namespace."""
+    rule = {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update"],
+    }
+    _bind_role(kube, "levers9-leases", [rule])
+
+
+def cli_environment(url: str, token: str, pki: Pki) -> dict[str, str]:
+    """The environment `levers9` reads its controlplane, token and CA from."""
+    return {
+        **os.environ,
+        "LEVERS9_CONTROLPLANE": url,
+        "LEVERS9_TOKEN": token,
+        "LEVERS9_CA": str(pki.ca_file),
+    }
+
+
+async def run_cli(
+    env: Mapping[str, str], args: Sequence[str], *, check: bool
+) -> subprocess.CompletedProcess[bytes]:
+    """`levers9 ARGS` as a user runs it; output captured."""
+    return await trio.run_process(
+        [sys.executable, "-m", "control.cli", *args],
+        env=env,
+        cwd=REPO,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=check,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -176,25 +229,13 @@ class Cluster:
 
     def cli_env(self, workspace: str = "team-a") -> dict[str, str]:
         token = self.tokens[workspace] if workspace != "operator" else self.operator_token
-        return {
-            **os.environ,
-            "LEVERS9_CONTROLPLANE": self.url,
-            "LEVERS9_TOKEN": token,
-            "LEVERS9_CA": str(self.pki.ca_file),
-        }
+        return cli_environment(self.url, token, self.pki)
 
     async def cli(
         self, *args: str, workspace: str = "team-a", check: bool = True
     ) -> subprocess.CompletedProcess[bytes]:
         """`levers9 ARGS` as a user runs it; output captured."""
-        return await trio.run_process(
-            [sys.executable, "-m", "control.cli", *args],
-            env=self.cli_env(workspace),
-            cwd=REPO,
-            capture_stdout=True,
-            capture_stderr=True,
-            check=check,
-        )
+        return await run_cli(self.cli_env(workspace), args, check=check)
 
     def client(self, workspace: str = "team-a") -> AbstractAsyncContextManager[ControlClient]:
         token = self.tokens[workspace] if workspace != "operator" else self.operator_token
@@ -348,16 +389,9 @@ async def open_cluster(
     labelled = [
         attrs.evolve(node, labels={**node.labels, POOL_LABEL: pool}) for node, pool in nodes
     ]
-    env = {
-        "LEVERS9_LOG_LEVEL": "INFO",
-        "LEVERS9_FREE_FLOOR_BYTES": "0",
-        "LEVERS9_OBJECT_BUDGET_BYTES": str(4 << 30),
-        "LEVERS9_REGISTER_INTERVAL_S": "2",
-        "LEVERS9_PING_INTERVAL_S": "2",
-        "LEVERS9_PING_TIMEOUT_S": "4",
-        **(agent_env or {}),
-    }
-    kubelet = SimulatedKubelet(kube, root / "kubelet", labelled, extra_env=env)
+    kubelet = SimulatedKubelet(
+        kube, root / "kubelet", labelled, extra_env=agent_environment(agent_env)
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(kubelet.run)
         cluster = Cluster(

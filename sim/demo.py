@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,12 +73,12 @@ class DemoFailed(Exception):
     """A step of the demo did not do what it should; the message says which and what it saw."""
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     print(text, flush=True)
 
 
 @contextmanager
-def _deadline(what: str, seconds: float) -> Iterator[None]:
+def deadline(what: str, seconds: float) -> Iterator[None]:
     """`trio.fail_after`, failing the demo with a message that names the step."""
     try:
         with trio.fail_after(seconds):
@@ -92,15 +92,15 @@ async def _levers9(
 ) -> subprocess.CompletedProcess[bytes]:
     """`levers9 ARGS` as a user of the demo's workspace (or the operator) runs it, shown with
     its output."""
-    _say(f"\n$ levers9 {shlex.join(args)}")
-    with _deadline(f"levers9 {args[0]}", TASK_S):
+    say(f"\n$ levers9 {shlex.join(args)}")
+    with deadline(f"levers9 {args[0]}", TASK_S):
         result: subprocess.CompletedProcess[bytes] = await cluster.cli(
             *args, workspace=workspace, check=False
         )
     # Progress (stderr) came before the task's output (stdout); errors are shown either way.
     for stream in (result.stderr, result.stdout):
         if text := stream.decode(errors="replace").rstrip():
-            _say(text)
+            say(text)
     return result
 
 
@@ -111,7 +111,7 @@ def _check_exit(result: subprocess.CompletedProcess[bytes], what: str) -> None:
 
 async def _check_machines(client: ControlClient) -> None:
     """Both nodes are machines with a worker; the neighbour's cards count as others'."""
-    with _deadline("GET /v1/machines", CALL_S):
+    with deadline("GET /v1/machines", CALL_S):
         listing = await client.machines()
     machines = {m.node: m for m in listing.machines}
     for node in (DIRECT_NODE, TUNNEL_NODE):
@@ -141,7 +141,7 @@ async def _machines_settled(client: ControlClient) -> None:
 
 async def _run_gpu_task(cluster: Cluster, image: str, cards: int) -> None:
     result = await _levers9(cluster, "run", "--gpus", str(cards), image, "--", *GPU_COMMAND)
-    _say(f"(exit code {result.returncode})")
+    say(f"(exit code {result.returncode})")
     _check_exit(result, f"the {cards}-card task")
     lines = result.stdout.decode(errors="replace").splitlines()
     visible = [line.removeprefix("cards: ") for line in lines if line.startswith("cards: ")]
@@ -172,8 +172,8 @@ async def _serve_http(cluster: Cluster, client: ControlClient, image: str) -> No
     )
     _check_exit(result, "levers9 run --detach")
     task_id = result.stdout.decode().strip()
-    _say(f"(waiting for task {task_id} to run)")
-    with _deadline(f"task {task_id} starting", TASK_S):
+    say(f"(waiting for task {task_id} to run)")
+    with deadline(f"task {task_id} starting", TASK_S):
         while (view := await client.task(task_id)).state != "running":
             if view.terminal:
                 raise DemoFailed(
@@ -181,10 +181,10 @@ async def _serve_http(cluster: Cluster, client: ControlClient, image: str) -> No
                 )
             await trio.sleep(0.2)
     path = f"/v1/tasks/{task_id}/ports/{HTTP_PORT}/index.html"
-    _say(f"\nGET {cluster.url}{path}")
-    with _deadline(f"GET {path}", CALL_S):
+    say(f"\nGET {cluster.url}{path}")
+    with deadline(f"GET {path}", CALL_S):
         status, body = await _get_page(client, path)
-    _say(f"{status} {body.decode(errors='replace').rstrip()}")
+    say(f"{status} {body.decode(errors='replace').rstrip()}")
     if status != 200 or body != b"hello from levers9\n":
         raise DemoFailed(f"GET {path} answered {status} {body[:200]!r}, not the page")
     _check_exit(await _levers9(cluster, "task", "cancel", task_id), "levers9 task cancel")
@@ -194,10 +194,10 @@ async def _wait_containers_removed(cluster: Cluster, workers: list[str]) -> None
     """Until no worker holds a container: a task's container is stopped and removed after the
     task ended, and workers stopped earlier would leave it (and its mounts) behind. httpd as
     PID 1 ignores SIGTERM, so the cancelled task's container takes its stop grace period."""
-    _say("\n(waiting for the workers to stop and remove the tasks' containers)")
+    say("\n(waiting for the workers to stop and remove the tasks' containers)")
     assert cluster.control is not None
     registry = cluster.control.registry
-    with _deadline("removing the tasks' containers", CLEANUP_S):
+    with deadline("removing the tasks' containers", CLEANUP_S):
         for worker_id in workers:
             client = await registry.client_for(worker_id)
             while True:
@@ -230,7 +230,7 @@ async def _join_tunnel_pool(cluster: Cluster, kubeconfig: Path) -> None:
 
 
 async def run_demo(workdir: Path) -> None:
-    _say("starting a registry, the Kubernetes API stand-in and the controlplane ...")
+    say("starting a registry, the Kubernetes API stand-in and the controlplane ...")
     with running_registry(workdir / "registry") as registry:
         registry.push("busybox", "latest", busybox_image())
         image = registry.ref("busybox:latest")
@@ -253,15 +253,15 @@ async def run_demo(workdir: Path) -> None:
                 agent_env={"LEVERS9_LOG_LEVEL": "WARNING"},
                 joined_pools={"inCluster": True},
             ) as cluster:
-                _say(
+                say(
                     f"controlplane {cluster.url}; pool direct-pool ({DIRECT_NODE}, direct) from "
                     f"its config; pod default/{NEIGHBOUR} holds {NEIGHBOUR_CARDS} cards of "
                     f"{TUNNEL_NODE}, which joins as tunnel-pool"
                 )
                 await _join_tunnel_pool(cluster, kubeconfig)
-                with _deadline("both workers registering", WORKERS_READY_S):
+                with deadline("both workers registering", WORKERS_READY_S):
                     workers = await cluster.wait_workers(2)
-                _say(f"workers ready: {', '.join(workers)}")
+                say(f"workers ready: {', '.join(workers)}")
                 async with cluster.client(WORKSPACE) as client:
                     await _machines_settled(client)
                     _check_exit(await _levers9(cluster, "machine", "list"), "levers9 machine list")
@@ -271,7 +271,7 @@ async def run_demo(workdir: Path) -> None:
                     await _serve_http(cluster, client, image)
                     _check_exit(await _levers9(cluster, "task", "list"), "levers9 task list")
                 await _wait_containers_removed(cluster, workers)
-                _say(
+                say(
                     "\ndemo finished: a cluster joined with no key, a 1-card and a 2-card task "
                     "ran on their cards, and a task's HTTP port answered through the controlplane"
                 )
@@ -288,21 +288,27 @@ def _leaves(group: BaseExceptionGroup[DemoFailed]) -> Iterator[BaseException]:
 
 
 def main() -> int:
+    return run_demo_main(run_demo, "levers9-demo-")
+
+
+def run_demo_main(run: Callable[[Path], Awaitable[None]], prefix: str) -> int:
+    """A demo's `main`: `run` in a scratch directory; 0 when every step worked, else what
+    failed is said and 1 (130 when interrupted)."""
     setup_logging("WARNING")
     code = 1
-    with tempfile.TemporaryDirectory(prefix="levers9-demo-") as workdir:
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
         try:
-            trio.run(run_demo, Path(workdir))
+            trio.run(run, Path(workdir))
             code = 0
         except* DemoFailed as group:
             for exc in _leaves(group):
-                _say(f"\ndemo failed: {exc}")
+                say(f"\ndemo failed: {exc}")
         except* KeyboardInterrupt:
-            _say("\ndemo interrupted; everything it started was stopped")
+            say("\ndemo interrupted; everything it started was stopped")
             code = 130
         except* Exception as group:
             traceback.print_exception(group)
-            _say("\ndemo failed: an unexpected error, shown above")
+            say("\ndemo failed: an unexpected error, shown above")
     return code
 
 

@@ -1,5 +1,6 @@
 """Pytest fixtures: a real PostgreSQL 15 server (Debian's), started once per session by the
-harness with initdb in a temp dir, password authentication on, listening on loopback only.
+harness with initdb in a temp dir, password authentication on, listening on loopback only
+(`sim.postgres`).
 
 Load them with `pytest_plugins = ["tests.postgres_fixtures"]`. `postgres_server` is the server
 (run as the `postgres` user, as PostgreSQL refuses root); `postgres_database` is a fresh,
@@ -10,58 +11,15 @@ without the password, the password beside it), dropped after the test.
 from __future__ import annotations
 
 import os
-import pwd
 import secrets
-import shutil
-import socket
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
-import attrs
-import psycopg
 import pytest
 
 from control.config import DatabaseSettings
+from sim.postgres import PG_BIN, PostgresServer, running_postgres
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
-PG_USER = "postgres"
-START_TIMEOUT_S = 60
-
-
-@attrs.frozen
-class PostgresServer:
-    host: str
-    port: int
-    user: str
-    password: str = attrs.field(repr=False)
-    data_dir: Path
-
-    def url(self, database: str) -> str:
-        return f"postgresql://{self.user}@{self.host}:{self.port}/{database}"
-
-    def settings(self, database: str, **kw: object) -> DatabaseSettings:
-        return DatabaseSettings(url=self.url(database), password=self.password, **kw)  # type: ignore[arg-type]
-
-    def admin(self, database: str = "postgres") -> psycopg.Connection[tuple[object, ...]]:
-        return psycopg.connect(self.url(database), password=self.password, autocommit=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _as_postgres(*args: str) -> None:
-    subprocess.run(
-        ["runuser", "-u", PG_USER, "--", *args],
-        check=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=START_TIMEOUT_S,
-    )
+__all__ = ["PostgresServer", "postgres_database", "postgres_server"]
 
 
 @pytest.fixture(scope="session")
@@ -70,42 +28,8 @@ def postgres_server() -> Iterator[PostgresServer]:
         pytest.fail("PostgreSQL 15 is not installed: run `make deps` (Debian's postgresql-15)")
     if os.geteuid() != 0:
         pytest.skip("the harness starts PostgreSQL as the postgres user, which needs root")
-    account = pwd.getpwnam(PG_USER)
-    root = Path(tempfile.mkdtemp(prefix="levers9-postgres-"))
-    password = secrets.token_urlsafe(18)
-    try:
-        os.chown(root, account.pw_uid, account.pw_gid)
-        pwfile = root / "pw"
-        pwfile.write_text(password + "\n")
-        os.chown(pwfile, account.pw_uid, account.pw_gid)
-        pwfile.chmod(0o600)
-        data = root / "data"
-        _as_postgres(
-            str(PG_BIN / "initdb"),
-            "-D",
-            str(data),
-            "-U",
-            PG_USER,
-            "-A",
-            "scram-sha-256",
-            f"--pwfile={pwfile}",
-            "-E",
-            "UTF8",
-            "--no-sync",
-        )
-        pwfile.unlink()
-        port = _free_port()
-        options = f"-k {root} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off"
-        _as_postgres(
-            str(PG_BIN / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(root / "log"), "-w",
-            "-t", str(START_TIMEOUT_S), "start",
-        )  # fmt: skip
-        try:
-            yield PostgresServer("127.0.0.1", port, PG_USER, password, data)
-        finally:
-            _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with running_postgres() as server:
+        yield server
 
 
 @pytest.fixture

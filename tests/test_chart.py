@@ -33,6 +33,8 @@ WORKSPACE_TOKEN = "workspace-token-99aa88bb"
 ACCESS_KEY_ID = "AKIACHARTTESTKEYID01"
 SECRET_ACCESS_KEY = "bucket-secret-access-key-5e6f7a8b"
 PRIVATE_KEY_ID = "sa-private-key-id-3c4d5e"
+REPLICA_SECRET = "replica-secret-7d6c5b4a3f2e1d0c"
+POSTGRES_URL = "postgresql://levers9@pg.example:5432/levers9"
 
 
 def ca_data() -> str:
@@ -116,6 +118,7 @@ def private_values() -> dict[str, Any]:
                     ],
                 }
             ],
+            "replication": {"secret": REPLICA_SECRET},
         }
     }
 
@@ -127,6 +130,7 @@ SECRET_VALUES = (
     ACCESS_KEY_ID,
     SECRET_ACCESS_KEY,
     PRIVATE_KEY_ID,
+    REPLICA_SECRET,
 )
 
 
@@ -348,6 +352,7 @@ SECRETS_IN_CONFIG = [
         "config.worker.poolCredentials",
         {"worker": {"poolCredentials": {"gke-a100": {"private_key_id": PRIVATE_KEY_ID}}}},
     ),
+    ("config.replication.secret", {"replication": {"secret": REPLICA_SECRET}}),
 ]
 
 
@@ -370,12 +375,6 @@ def test_pool_credentials_in_the_pool_block_are_refused(tmp_path: Path) -> None:
     assert "config.worker.pools[gke-a100].kubernetes.credentials: " in stderr
     assert "secretConfig.worker.poolCredentials.gke-a100" in stderr
     assert PRIVATE_KEY_ID not in stderr
-
-
-def test_more_than_one_replica_is_refused(tmp_path: Path) -> None:
-    stderr = refused(tmp_path, public_values(), sets=("replicaCount=2",))
-    assert "replicaCount: 2 is not supported" in stderr
-    assert "set replicaCount: 1" in stderr
 
 
 def test_missing_public_url_is_refused(tmp_path: Path) -> None:
@@ -730,3 +729,158 @@ def test_the_pods_grace_period_covers_the_drain(tmp_path: Path) -> None:
     pod = one(render(tmp_path, values, private_values()), "Deployment")["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 75
     assert load_rendered(tmp_path, render(tmp_path, values, private_values())).drain_s == 60
+
+
+# --- several replicas --------------------------------------------------------------------------
+
+
+def replicated(count: int = 3) -> dict[str, Any]:
+    """The repository's values for several replicas: the records in PostgreSQL."""
+    values = public_values()
+    values["replicaCount"] = count
+    values["config"]["database"] = {"url": POSTGRES_URL}
+    return values
+
+
+def pod_spec(docs: list[Any]) -> Any:
+    return one(docs, "Deployment")["spec"]["template"]["spec"]
+
+
+def test_several_replicas_render_what_they_need(tmp_path: Path) -> None:
+    docs = render(tmp_path, replicated(3), private_values())
+    config = load_rendered(tmp_path, docs)
+    assert config.database.url == POSTGRES_URL
+    assert config.leader_election.enabled and config.leader_election.namespace == NAMESPACE
+    assert config.replication.secret == REPLICA_SECRET
+    assert REPLICA_SECRET not in configmap_text(docs)
+
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert pod_spec(docs)["affinity"] == {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {"matchLabels": selector},
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        }
+    }
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
+        container(docs)["env"]
+    )
+    assert "tcpSocket" in container(docs)["readinessProbe"]
+
+    budget = one(docs, "PodDisruptionBudget")
+    assert budget["apiVersion"] == "policy/v1"
+    assert budget["metadata"]["namespace"] == NAMESPACE
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    assert of_kind(docs, "PersistentVolumeClaim") == []
+
+    roles = [r for r in of_kind(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    (role,) = roles
+    assert rules_as_sets(role) == [
+        (
+            frozenset({"coordination.k8s.io"}),
+            frozenset({"leases"}),
+            frozenset({"get", "create", "update"}),
+        )
+    ]
+    assert_least_privilege(docs)
+
+
+def test_several_replicas_without_postgresql_are_refused(tmp_path: Path) -> None:
+    values = replicated(2)
+    del values["config"]["database"]  # the chart's default: SQLite on the volume
+    stderr = refused(tmp_path, values, private_values())
+    assert "replicaCount: 2 needs the task records in PostgreSQL" in stderr
+    assert "config.database.url" in stderr
+    assert "replicaCount: 1" in stderr
+
+
+def test_several_replicas_without_the_replica_secret_are_refused(tmp_path: Path) -> None:
+    private = private_values()
+    del private["secretConfig"]["replication"]
+    stderr = refused(tmp_path, replicated(2), private)
+    assert "secretConfig.replication.secret is empty; replicaCount: 2 needs it" in stderr
+    assert "private values file" in stderr
+
+
+def test_a_short_replica_secret_is_refused_without_showing_it(tmp_path: Path) -> None:
+    private = private_values()
+    private["secretConfig"]["replication"] = {"secret": "short-secret"}
+    stderr = refused(tmp_path, replicated(2), private)
+    assert "secretConfig.replication.secret must be a string of 16 characters or more" in stderr
+    assert "short-secret" not in stderr
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, "two"])
+def test_replica_count_below_one_or_not_whole_is_refused(tmp_path: Path, count: object) -> None:
+    values = replicated()
+    values["replicaCount"] = count
+    stderr = refused(tmp_path, values, private_values())
+    assert f"replicaCount: {count} must be a whole number, 1 or more" in stderr
+
+
+def test_one_replica_is_recreated_on_either_database(tmp_path: Path) -> None:
+    """One replica is replaced, never doubled: two pods side by side would both reconcile the
+    pools, since only several replicas turn leader election on."""
+    sqlite = render(tmp_path, public_values(), private_values())
+    postgres = render(tmp_path, replicated(1), private_values())
+    assert one(sqlite, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert one(postgres, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    for docs in (sqlite, postgres):
+        assert one(docs, "Deployment")["spec"]["replicas"] == 1
+        assert of_kind(docs, "PodDisruptionBudget") == []
+        assert "affinity" not in pod_spec(docs)
+        assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
+            container(docs)["env"]
+        )
+
+
+def test_own_pod_anti_affinity_and_budget_settings_are_kept(tmp_path: Path) -> None:
+    values = replicated(4)
+    own = {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": {"team": "ml"}}, "topologyKey": "zone"}
+            ]
+        },
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cp"]}]}
+                ]
+            }
+        },
+    }
+    values["affinity"] = own
+    values["podDisruptionBudget"] = {"enabled": True, "maxUnavailable": "50%"}
+    docs = render(tmp_path, values, private_values())
+    assert pod_spec(docs)["affinity"] == own
+    assert one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == "50%"
+
+    values["podDisruptionBudget"] = {"enabled": False}
+    assert of_kind(render(tmp_path, values, private_values()), "PodDisruptionBudget") == []
+
+    values["podDisruptionBudget"] = {"enabled": True, "maxUnavailable": 0}
+    stderr = refused(tmp_path, values, private_values())
+    assert "podDisruptionBudget.maxUnavailable: 0 must be a whole number of pods" in stderr
+
+
+def test_replica_secret_and_secret_file_together_are_refused(tmp_path: Path) -> None:
+    values = replicated(2)
+    values["config"]["replication"] = {"secretFile": "/etc/levers9/replica/secret"}
+    stderr = refused(tmp_path, values, private_values())
+    assert "secretConfig.replication.secret and config.replication.secretFile are both set" in (
+        stderr
+    )
+    assert REPLICA_SECRET not in stderr

@@ -71,7 +71,7 @@ class Cluster:
     control: Controlplane
     pki: Pki
 
-    def submit(self, node: str, cards: int, *, with_secret: bool = True) -> str:
+    async def submit(self, node: str, cards: int, *, with_secret: bool = True) -> str:
         """Creates a worker Job for `node` as the reconcile does (Job, then its Secret);
         returns the Job's name."""
         name = job_name(POOL, node, 0)
@@ -86,7 +86,7 @@ class Cluster:
             hostname=node,
             extra_env={"LEVERS9_CONTROLPLANE_CA": str(self.pki.ca_file)},
         )
-        self.control.registry.add_worker(name, self.token(name))
+        await self.control.registry.add_worker(name, self.token(name))
         self.kube.create("jobs", manifests.job)
         if with_secret:
             self.add_secret(name)
@@ -157,7 +157,7 @@ async def test_a_job_runs_an_agent_with_its_token_env_and_the_cards_of_its_node(
         node = kube.get("nodes", "gpu-b")
         assert node is not None
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "3"
-        name = cluster.submit("gpu-b", 3)
+        name = await cluster.submit("gpu-b", 3)
 
         info = await cluster.worker_info(name)
 
@@ -180,7 +180,7 @@ async def test_a_neighbour_holding_one_of_three_cards_leaves_the_worker_the_othe
 ) -> None:
     async with open_cluster(kube, tmp_path, SimNode("gpu-a", 3)) as cluster:
         kube.add_pod(make_pod("neighbour", "gpu-a", gpu_limit=1))
-        name = cluster.submit("gpu-a", 2)
+        name = await cluster.submit("gpu-a", 2)
 
         info = await cluster.worker_info(name)
 
@@ -195,7 +195,7 @@ async def test_a_pod_waits_for_free_cards_and_for_its_token_secret(
 ) -> None:
     async with open_cluster(kube, tmp_path, SimNode("gpu-a", 2)) as cluster:
         kube.add_pod(make_pod("neighbour", "gpu-a", gpu_limit=1))
-        name = cluster.submit("gpu-a", 2, with_secret=False)
+        name = await cluster.submit("gpu-a", 2, with_secret=False)
         with trio.fail_after(10):
             await wait_until(lambda: any(True for _ in cluster.kube.pods(NAMESPACE)))
         pod = cluster.pod_of(name)
@@ -230,7 +230,7 @@ async def test_a_killed_agent_fails_its_pod_and_job_and_frees_the_node(
     kube: KubeStandin, tmp_path: Path
 ) -> None:
     async with open_cluster(kube, tmp_path, SimNode("gpu-a", 3)) as cluster:
-        name = cluster.submit("gpu-a", 3)
+        name = await cluster.submit("gpu-a", 3)
         await cluster.worker_info(name)
 
         cluster.kubelet.kill(name)
@@ -266,7 +266,7 @@ async def test_deleting_the_job_terminates_its_agent_and_removes_its_pod(
     kube: KubeStandin, tmp_path: Path
 ) -> None:
     async with open_cluster(kube, tmp_path, SimNode("gpu-a", 1)) as cluster:
-        name = cluster.submit("gpu-a", 1)
+        name = await cluster.submit("gpu-a", 1)
         await cluster.worker_info(name)
         (agent,) = cluster.kubelet.agents()
 

@@ -47,7 +47,7 @@ from control.kube.lease import (
     parse_micro_time,
 )
 from control.kube.pools import load_pools
-from sim.cluster import OWN_NAMESPACE, controlplane_pod
+from sim.cluster import OWN_NAMESPACE, controlplane_pod, grant_leases
 from sim.configs import API_TOKEN, control_config, make_pki
 from sim.kubeapi.store import KubeStandin
 from tests.test_pool_reconcile import gpu_node, jobs_created, pool_block, run_pods_of_jobs, until
@@ -472,27 +472,7 @@ def in_pod(kube: KubeStandin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     directory = tmp_path / "serviceaccount"
     for key, value in controlplane_pod(kube, directory).items():
         monkeypatch.setenv(key, value)
-    meta = {"name": "levers9-leases", "namespace": OWN_NAMESPACE}
-    rule = {
-        "apiGroups": ["coordination.k8s.io"],
-        "resources": ["leases"],
-        "verbs": ["get", "create", "update"],
-    }
-    kube.create("roles", {"metadata": meta, "rules": [rule]})
-    kube.create(
-        "rolebindings",
-        {
-            "metadata": meta,
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "Role",
-                "name": meta["name"],
-            },
-            "subjects": [
-                {"kind": "ServiceAccount", "name": "levers9-control", "namespace": OWN_NAMESPACE}
-            ],
-        },
-    )
+    grant_leases(kube)
     return directory
 
 

@@ -205,7 +205,7 @@ async def test_wrong_pinned_fingerprint_is_refused(
     address = entry.address
     await good.aclose()
     # Someone else answers at the registered address with another certificate.
-    control.registry.register(
+    await control.registry.register(
         Registration(
             worker_id="w-direct",
             version="x",
@@ -312,8 +312,12 @@ async def test_cli_lists_workers_and_asks_one(
         "ADDRESS",
         "VERSION",
         "AGE",
+        "REPLICA",
     ]
     assert sorted(row.split()[0] for row in rows) == ["w-direct", "w-tunnel"]
+    # Each is held by this, the one replica (its directory name).
+    assert {row.split()[-1] for row in rows} == {control.identity}
+    assert workers["w-tunnel"]["replica"] == control.identity
     got = await trio.run_process(
         [sys.executable, "-m", "control.cli", "worker", "get", "w-tunnel"],
         env=env,
@@ -410,3 +414,62 @@ async def test_a_connection_lost_mid_registration_is_one_error_not_a_group(
     with pytest.raises((ApiError, trio.BrokenResourceError, OSError)) as err:
         await register_once(config, Registration(worker_id="w-1", version="0", mode="tunnel"))
     assert not isinstance(err.value, BaseExceptionGroup)
+
+
+async def test_a_request_posing_as_another_replicas_is_refused(
+    worker: tuple[Controlplane, str], pki: Pki
+) -> None:
+    """A request naming a worker as one replica forwards it to another reaches the worker only
+    with the replica secret: an operator's token, the worker's own, or any token at all on a
+    controlplane that has no replica secret, is refused before the worker is asked."""
+    from control.cli.client import open_control_client
+    from control.replicas.forward import WORKER_HEADER
+    from sim.configs import API_TOKEN
+
+    control, worker_id = worker
+    await client(control, worker_id)  # connected
+    url = f"https://127.0.0.1:{control.port}"
+    for token in (API_TOKEN, WORKER_TOKENS[worker_id], "x" * 64):
+        async with open_control_client(url, token, str(pki.ca_file)) as api:
+            posing = WorkerClient(
+                api.conn,
+                token=token,
+                authority=worker_id,
+                extra_headers=[(WORKER_HEADER, worker_id.encode())],
+            )
+            with pytest.raises(ApiError) as refused:
+                await posing.health()
+            assert refused.value.code is ErrorCode.UNAUTHENTICATED
+            assert refused.value.message == "wrong replica secret"
+
+
+async def test_a_tunnel_that_closes_before_http2_starts_leaves_the_controlplane_serving(
+    control: Controlplane, pki: Pki
+) -> None:
+    """The WebSocket upgrade is sent, then the connection is reset before HTTP/2 inside it can
+    start (an agent that gave up, a load balancer that cut it): that one connection ends; the
+    controlplane goes on and the same worker's next tunnel is taken."""
+    import base64
+    import struct
+
+    from agent.wire.tls import verifying_client_context
+
+    context = verifying_client_context(cafile=str(pki.ca_file), alpn=("http/1.1",))
+    key = base64.b64encode(os.urandom(16)).decode()
+    upgrade = (
+        "GET /v1/workers/w-tunnel/tunnel HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nAuthorization: Bearer {WORKER_TOKENS['w-tunnel']}\r\n\r\n"
+    ).encode()
+    for _ in range(20):
+        tcp = await trio.open_tcp_stream("127.0.0.1", control.port)
+        tls = TLSStream(tcp, context, server_side=False, server_hostname="127.0.0.1")
+        await tls.do_handshake()
+        await tls.send_all(upgrade)
+        # RST, not FIN: the controlplane's answer and its HTTP/2 preface meet a dead socket.
+        tcp.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        tcp.socket.close()
+    async with trio.open_nursery() as nursery:
+        await start_agent(nursery, pki, control, "tunnel")
+        assert (await (await client(control, "w-tunnel")).health()).worker_id == "w-tunnel"
+        nursery.cancel_scope.cancel()

@@ -514,7 +514,8 @@ async def test_two_stores_on_one_database_never_both_move_a_task(database: Where
 
 async def test_a_write_from_a_stale_read_is_refused(database: Where) -> None:
     """The compare-and-set itself: a row written since it was read is not overwritten."""
-    from control.tasks.store import CasConflict, Tx, _select_one, _update
+    from control.database import Tx
+    from control.tasks.store import CasConflict, _select_one, _update
 
     async with open_task_store(database) as store:
         task = await store.create("ws-a", spec())
@@ -559,3 +560,36 @@ async def test_a_file_from_before_row_versions_is_migrated_and_keeps_its_tasks(
         assert old.id == "t-old" and old.spec.image == "busybox"
         started = await store.apply("ws-a", "t-old", Start(worker="w1"))
         assert started.state is S
+
+
+async def test_another_replicas_changes_are_heard_at_once(
+    postgres_database: DatabaseSettings,
+) -> None:
+    """PostgreSQL: a task created, moved or given its log through one store wakes a listener on
+    another (LISTEN/NOTIFY) with what changed, so a replica does not wait for its next periodic
+    look; a store does not hear its own changes."""
+    heard = trio.Event()
+    notes: list[tuple[str, str]] = []
+
+    def on_change(task_id: str, what: str) -> None:
+        notes.append((task_id, what))
+        heard.set()
+
+    async with (
+        open_task_store(postgres_database) as one,
+        open_task_store(postgres_database) as two,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(two.watch_changes, on_change)
+        await nursery.start(one.watch_changes, lambda *_: notes.append(("echo", "")))
+        with trio.fail_after(10):
+            task = await one.create("ws-a", spec())
+            await heard.wait()
+            heard = trio.Event()
+            await one.apply("ws-a", task.id, Cancel())
+            await heard.wait()
+            heard = trio.Event()
+            await one.save_logs(task.id, b"{}\n")
+            await heard.wait()
+        nursery.cancel_scope.cancel()
+    assert notes == [(task.id, "pending"), (task.id, "cancelled"), (task.id, "logs")]

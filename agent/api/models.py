@@ -72,6 +72,8 @@ class WorkerSummary:
     node: str | None = None
     registered_at: float | None = None
     cards: int = 0
+    replica: str | None = None
+    """The controlplane replica that holds the worker (its tunnel, or its claim)."""
 
 
 @attrs.frozen

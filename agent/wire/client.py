@@ -8,7 +8,7 @@ have run.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -92,10 +92,22 @@ def error_from_body(status: int, body: bytes) -> ApiError:
 class ApiClient:
     """JSON and streaming calls to one HTTP/2 API (a worker's, or the controlplane's)."""
 
-    def __init__(self, conn: Http2Connection, *, token: str, authority: str = "worker") -> None:
+    def __init__(
+        self,
+        conn: Http2Connection,
+        *,
+        token: str,
+        authority: str = "worker",
+        extra_headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
         self.conn = conn
         self._token = token
         self.authority = authority
+        self._extra = list(extra_headers)
+        """Sent with every request (a replica forwarding to another names the worker so)."""
+
+    def _credentials(self) -> Headers:
+        return [(b"authorization", f"Bearer {self._token}".encode()), *self._extra]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(authority={self.authority!r}, usable={self.conn.usable})"
@@ -112,7 +124,7 @@ class ApiClient:
             (b":scheme", b"https"),
             (b":authority", self.authority.encode()),
             (b":path", path.encode()),
-            (b"authorization", f"Bearer {self._token}".encode()),
+            *self._credentials(),
         ]
 
     async def open(
@@ -181,7 +193,7 @@ class ApiClient:
         headers: Headers = [
             (b":method", b"CONNECT"),
             (b":authority", authority.encode()),
-            (b"authorization", f"Bearer {self._token}".encode()),
+            *self._credentials(),
         ]
         return await self._open_tunnel(headers)
 
@@ -193,7 +205,7 @@ class ApiClient:
             (b":scheme", b"https"),
             (b":path", path.encode()),
             (b":authority", self.authority.encode()),
-            (b"authorization", f"Bearer {self._token}".encode()),
+            *self._credentials(),
             (b"sec-websocket-version", b"13"),
         ]
         return H2WebSocket(await self._open_tunnel(headers), client_side=True)

@@ -119,6 +119,7 @@ class H2Stream:
         self._readable = trio.lowlevel.ParkingLot()
         self._headers_lot = trio.lowlevel.ParkingLot()
         self._window_lot = trio.lowlevel.ParkingLot()
+        self._failed_lot = trio.lowlevel.ParkingLot()
         self._sent_end = False
         self.sent_headers = False
         self._receiving = False
@@ -159,6 +160,7 @@ class H2Stream:
         self._readable.unpark_all()
         self._headers_lot.unpark_all()
         self._window_lot.unpark_all()
+        self._failed_lot.unpark_all()
 
     def _discard(self) -> None:
         """Drop unread body bytes, giving their window back to the peer."""
@@ -175,6 +177,13 @@ class H2Stream:
     def ended(self) -> bool:
         """True once the peer has ended its side and everything has been read."""
         return self._eof and not self._chunks
+
+    async def wait_failed(self) -> BaseException:
+        """Until the stream is reset (by either side) or its connection is lost, even after
+        its body has ended: what a relay watches to pass a reset on."""
+        while self._error is None:
+            await self._failed_lot.park()
+        return self._error
 
     async def wait_headers(self) -> Headers:
         while self.headers is None:

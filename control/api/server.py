@@ -14,8 +14,11 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import ssl
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -32,10 +35,10 @@ from agent.wire.admission import (
     Refusal,
     source_address,
 )
-from agent.wire.connection import ConnectionLost, Http2Connection, KeepaliveConfig
+from agent.wire.connection import ConnectionLost, H2Stream, Http2Connection, KeepaliveConfig
 from agent.wire.errors import ApiError, ErrorCode
 from agent.wire.service import JsonResponse, Request, Router, Service, bearer_token
-from agent.wire.tls import TLSStream
+from agent.wire.tls import TLSStream, fingerprint_of_pem
 from agent.wire.wsstream import WebSocketStream, wrap_server
 from control.api.endpoints import EndpointProxy
 from control.api.tasks import WORKSPACE_PREFIX, add_task_routes
@@ -59,7 +62,9 @@ from control.models import (
     WorkerList,
     WorkerState,
 )
-from control.registry import WorkerRegistry
+from control.registry import Replication, WorkerRegistry
+from control.replicas.directory import Directory
+from control.replicas.forward import Peers, is_forwarded, serve_forwarded
 from control.tasks.databases import open_task_store
 from control.tasks.dispatch import Dispatcher
 from control.workspaces import Workspaces
@@ -126,8 +131,14 @@ class Controlplane:
         self.draining = False
         """Set once `drain` began: no connection is taken any more."""
         self.pool_env: Mapping[str, str] | None = None
-        self.identity = config.leader_election.identity or default_identity()
-        """This replica's name in the pools' Leases (`config.leaderElection`)."""
+        self.identity = (
+            registry.replication.replica
+            if registry.replication is not None
+            else config.leader_election.identity or default_identity()
+        )
+        """This replica's name in the pools' Leases (`config.leaderElection`) and in the
+        directory of replicas."""
+        self.replica_secret = replica_secret(config)
         router = self._router()
         dial = add_task_routes(router, dispatcher, self.proxy)
         self.service = Service(router, authenticate=self._authenticate, dial=dial, name="control")
@@ -182,7 +193,7 @@ class Controlplane:
                     f"workerId {registration.worker_id!r} does not match the path's {worker_id!r}",
                     field="workerId",
                 )
-            self.registry.register(registration)
+            await self.registry.register(registration)
             return next(w for w in self.registry.list() if w.worker_id == worker_id)
 
         async def deregister(request: Request) -> JsonResponse:
@@ -197,7 +208,7 @@ class Controlplane:
                     ErrorCode.FAILED_PRECONDITION,
                     f"worker {worker_id} has tasks placed on it; it stays",
                 )
-            self.registry.deregister(worker_id)
+            await self.registry.deregister(worker_id)
             log.info(
                 "worker %s deregistered: it winds down", worker_id, extra={"worker": worker_id}
             )
@@ -511,6 +522,66 @@ class Controlplane:
             extra={"duration_s": round(trio.current_time() - started, 3), "connections": left},
         )
 
+    async def handle_stream(self, stream: H2Stream) -> None:
+        """A stream on the API listener: a request another replica forwards for a worker this
+        one holds (`control.replicas.forward`), or the API's."""
+        worker = is_forwarded(stream.headers or [])
+        if worker is None:
+            await self.service(stream)
+            return
+        await serve_forwarded(
+            stream, worker.decode("latin-1"), self.replica_secret, self._local_worker
+        )
+
+    async def _local_worker(self, worker_id: str) -> tuple[WorkerClient, str]:
+        client = await self.registry.local_client(worker_id)
+        entry = self.registry.entry(worker_id)
+        assert entry is not None  # a local client means a local entry
+        return client, entry.token
+
+    async def keep_membership(
+        self,
+        advertise: str,
+        fingerprint: str,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Several replicas: publish this one (its address and certificate) in the directory,
+        renew its claims on workers and take those with tasks that nobody holds, every third
+        of the lease; on the way out, leave (the workers it held are free at once)."""
+        replication = self.registry.replication
+        assert replication is not None
+        period = replication.lease_s / 3
+        failing: str | None = None
+        try:
+            while True:
+                try:
+                    now = time.time()
+                    await replication.directory.heartbeat(
+                        replication.replica, advertise, fingerprint, now + replication.lease_s
+                    )
+                    active = await self.dispatcher.store.active()
+                    await self.registry.sync(claim={r.worker for r in active if r.worker})
+                    failing = None
+                except ApiError as exc:
+                    if exc.message != failing:
+                        log.warning(
+                            "replica %s could not renew its place: %s",
+                            replication.replica,
+                            exc.message,
+                            extra={"replica": replication.replica, "code": exc.code.name},
+                        )
+                    failing = exc.message
+                task_status.started()
+                task_status = trio.TASK_STATUS_IGNORED
+                await trio.sleep(period)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    await self.registry.leave()
+                except ApiError as exc:
+                    log.warning("leaving the directory failed: %s", exc.message)
+
     async def handle_connection(self, tcp: trio.SocketStream, context: ssl.SSLContext) -> None:
         """One accepted connection: counted against the limits first (closed at once, before
         TLS, when over one), then TLS, then the API (h2) or a tunnel (http/1.1)."""
@@ -526,6 +597,10 @@ class Controlplane:
             return
         try:
             await self._serve_connection(tcp, context, admission)
+        except Exception:
+            # One connection's failure is that connection's: the listener, every other
+            # connection and the process go on (they share the nursery it is served in).
+            log.exception("connection from %s failed", source, extra={"source": source})
         finally:
             self.admissions.release(admission)
 
@@ -548,7 +623,7 @@ class Controlplane:
                 tls,
                 client_side=False,
                 settings=self.config.http2,
-                handler=self.service,
+                handler=self.handle_stream,
                 name="api",
                 first_request_timeout_s=self.limits.first_request_timeout_s,
                 idle_timeout_s=self.limits.idle_timeout_s,
@@ -605,7 +680,14 @@ class Controlplane:
                 await request.reject(401, body=b"wrong or missing worker token\n")
                 nursery.cancel_scope.cancel()
                 return
-            ws = await request.accept()
+            try:
+                ws = await request.accept()
+            except (trio_websocket.ConnectionClosed, trio.BrokenResourceError) as exc:
+                self._early.failed(
+                    peer, source, f"tunnel closed while accepted: {exc}", trio.current_time()
+                )
+                nursery.cancel_scope.cancel()
+                return
             self.admissions.vouch(admission)
             conn = Http2Connection(
                 WebSocketStream(ws, tls),
@@ -614,17 +696,42 @@ class Controlplane:
                 keepalive=self.keepalive,
                 name=f"tunnel {worker_id}",
             )
-            await nursery.start(conn.run)
+            try:
+                await nursery.start(conn.run)
+            except ConnectionLost as exc:
+                # The WebSocket closed before HTTP/2 inside it was ready: the agent retries.
+                self._early.failed(
+                    peer, source, f"tunnel closed at once: {exc}", trio.current_time()
+                )
+                nursery.cancel_scope.cancel()
+                return
             client = WorkerClient(conn, token=token, authority=worker_id)
-            self.registry.attach_tunnel(worker_id, client, version=headers.get("x-levers9-version"))
-            log.info(
-                "worker %s connected through its tunnel",
-                worker_id,
-                extra={"worker": worker_id},
-            )
-            nursery.start_soon(self._learn, worker_id, client)
+            # Counted before anything awaits: a drain that begins meanwhile sends it a GOAWAY.
             self._connections.add(conn)
             try:
+                try:
+                    await self.registry.attach_tunnel(
+                        worker_id, client, version=headers.get("x-levers9-version")
+                    )
+                except ApiError as exc:
+                    # Its claim could not be recorded (the database is away): closed, so the
+                    # agent opens its next tunnel, here or at another replica, in a moment.
+                    log.warning(
+                        "tunnel of worker %s closed: %s",
+                        worker_id,
+                        exc.message,
+                        extra={"worker": worker_id, "code": exc.code.name},
+                    )
+                    await conn.aclose()
+                    return
+                log.info(
+                    "worker %s connected through its tunnel",
+                    worker_id,
+                    extra={"worker": worker_id},
+                )
+                if self.draining:
+                    nursery.start_soon(_drain_quietly, conn)
+                nursery.start_soon(self._learn, worker_id, client)
                 await conn.wait_closed()
             finally:
                 self._connections.discard(conn)
@@ -651,6 +758,45 @@ class Controlplane:
                 )
                 return
             self.registry.learn(info)
+
+
+def replica_secret(config: ControlConfig) -> str | None:
+    """`config.replication.secret`, or the first line of its `secretFile`."""
+    replication = config.replication
+    if replication.secret_file is None:
+        return replication.secret
+    try:
+        text = Path(replication.secret_file).read_text()
+    except OSError as exc:
+        raise ApiError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"config.replication.secretFile {replication.secret_file} cannot be read "
+            f"({exc.strerror}); check the path and its mode",
+            field="replication.secretFile",
+        ) from None
+    return text.splitlines()[0].strip() if text.strip() else None
+
+
+def advertise_address(config: ControlConfig, port: int) -> str:
+    """Where the other replicas reach this one: `config.replication.advertise`, else the pod's
+    address (POD_IP, from the downward API), else the listen host; and the listening port."""
+    if config.replication.advertise is not None:
+        return config.replication.advertise
+    host = os.environ.get("POD_IP") or config.listen_host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def certificate_fingerprint(config: ControlConfig) -> str:
+    """The SHA-256 of this replica's certificate, which its peers pin."""
+    try:
+        return fingerprint_of_pem(Path(config.tls.cert_file).read_bytes())
+    except OSError as exc:
+        raise ApiError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"cannot read config.tls.certFile ({config.tls.cert_file}): {exc.strerror}",
+        ) from None
 
 
 def machine_list(statuses: Sequence[PoolStatus]) -> MachineList:
@@ -731,16 +877,26 @@ async def serve_controlplane(
     Job (e.g. the controlplane's CA for agents)."""
     context = server_ssl_context(config)
     pools = load_pools(config.worker.pools, config.worker.pool_credentials).pools
+    secret = replica_secret(config)
+    keepalive = KeepaliveConfig(
+        ping_interval_s=config.tunnel.ping_interval_s,
+        ping_timeout_s=config.tunnel.ping_timeout_s,
+    )
     async with open_task_store(config.database) as store, trio.open_nursery() as nursery:
-        registry = WorkerRegistry(
-            {t.worker_id: t.token for t in config.worker.tokens},
-            nursery,
-            settings=config.http2,
-            keepalive=KeepaliveConfig(
-                ping_interval_s=config.tunnel.ping_interval_s,
-                ping_timeout_s=config.tunnel.ping_timeout_s,
-            ),
+        replication = Replication(
+            Directory(store.database),
+            config.leader_election.identity or default_identity(),
+            config.replication.lease_s,
+            peers=None
+            if secret is None
+            else Peers(nursery, secret, settings=config.http2, keepalive=keepalive),
         )
+        tokens = {t.worker_id: t.token for t in config.worker.tokens}
+        registry = WorkerRegistry(
+            tokens, nursery, settings=config.http2, keepalive=keepalive, replication=replication
+        )
+        for worker_id, token in tokens.items():
+            await registry.add_worker(worker_id, token)
         dispatcher = Dispatcher(
             store,
             registry,
@@ -771,6 +927,11 @@ async def serve_controlplane(
                     handle, listeners, handler_nursery=nursery, task_status=task_status
                 )
 
+        await nursery.start(
+            control.keep_membership,
+            advertise_address(config, port),
+            certificate_fingerprint(config),
+        )
         await nursery.start(dispatcher.run)
         await nursery.start(listen)
         log.info(

@@ -273,7 +273,17 @@ def show_list(
     print(render_table(headers, [row(item) for item in items]))
 
 
-WORKER_HEADERS = ("worker", "mode", "connected", "node", "cards", "address", "version", "age")
+WORKER_HEADERS = (
+    "worker",
+    "mode",
+    "connected",
+    "node",
+    "cards",
+    "address",
+    "version",
+    "age",
+    "replica",
+)
 
 
 def worker_row(w: WorkerSummary) -> list[str]:
@@ -286,6 +296,7 @@ def worker_row(w: WorkerSummary) -> list[str]:
         w.address or "-",
         w.version or "-",
         _age(w.registered_at),
+        w.replica or "-",
     ]
 
 

@@ -348,7 +348,7 @@ class PoolReconciler:
         jobs = [job for job in self.caches.jobs.items.values() if job.pool == self._pool_label]
         counts.jobs = len(jobs)
         now = self.clock()
-        self._adopt_tokens(jobs)
+        await self._adopt_tokens(jobs)
         await self._note_finished(jobs)
         self._fold_in(jobs, now)
         plan = plan_pool(self.settings, nodes.values(), pods, jobs, self.records.values(), now)
@@ -363,16 +363,16 @@ class PoolReconciler:
                 counts.jobs_deleted += 1
         return plan
 
-    def _adopt_tokens(self, jobs: list[JobFacts]) -> None:
+    async def _adopt_tokens(self, jobs: list[JobFacts]) -> None:
         """A Job started before this controlplane (re)started: take its worker's token from
         the Job's Secret (cached), so the worker can register and reconnect its tunnel."""
         tokens = self.caches.secrets.items
         for job in jobs:
-            if self.registry.knows(job.name) or not job.active:
+            if self.registry.has_token(job.name) or not job.active:
                 continue
             token = tokens.get(f"{self.settings.namespace}/{token_secret_name(job.name)}")
             if token:
-                self.registry.add_worker(job.name, token)
+                await self.registry.add_worker(job.name, token)
                 log.info(
                     "pool %s: adopted worker %s",
                     self.settings.name,
@@ -425,7 +425,7 @@ class PoolReconciler:
             extra_env=self.extra_env or None,
         )
         # The registry accepts the token before the worker can possibly present it.
-        self.registry.add_worker(action.name, token)
+        await self.registry.add_worker(action.name, token)
         try:
             job = await self.kube.create_job(namespace, manifests.job)
         except KubeAlreadyExists:

@@ -15,7 +15,8 @@ from contextlib import asynccontextmanager
 import trio
 
 from control.config import DatabaseSettings
-from control.tasks.store import Database, TaskStore
+from control.database import Database
+from control.tasks.store import TaskStore
 
 __all__ = ["DatabaseWhere", "open_database", "open_task_store"]
 

@@ -53,6 +53,7 @@ T = TypeVar("T")
 TASK_LABEL = "levers9.dev/task"
 SCHEDULE_EVERY_S = 2.0
 PROGRESS_EVERY_S = 0.25
+PROGRESS_IDLE_S = 2.0
 RETRY_EVERY_S = 0.5
 CLEANUP_S = 30.0
 STOP_GRACE_S = 5.0
@@ -75,9 +76,12 @@ class Hold:
 
 @attrs.define(eq=False)
 class _Watch:
+    worker: str
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     cancelled: bool = False
     lost: bool = False
+    handed_over: bool = False
+    """Another replica owns the worker now and watches the task; this watcher just stops."""
 
 
 def is_ready(entry: WorkerEntry, now: float, lost_after_s: float) -> bool:
@@ -181,6 +185,8 @@ class Dispatcher:
         self._changed = trio.lowlevel.ParkingLot()
         self._cleanups: set[trio.CancelScope] = set()
         self._cleanup_ended = trio.lowlevel.ParkingLot()
+        self._adopted: set[str] = set()
+        """Workers whose tasks this replica watches (with several replicas: those it owns)."""
         self._nursery: trio.Nursery | None = None
         self.on_ended: list[Callable[[str], Awaitable[object]]] = []
         """Called with a task's id once its watcher is done (its container is gone)."""
@@ -190,18 +196,26 @@ class Dispatcher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            for record in await self.store.active():
-                # A restarted controlplane: every task it had placed is watched again.
-                self._hold(record)
-                nursery.start_soon(self._watch, record, True)
+            if self.registry.replication is None:
+                for record in await self.store.active():
+                    # A restarted controlplane: every task it had placed is watched again.
+                    self._hold(record)
+                    nursery.start_soon(self._watch, record, True)
             self.registry.listeners.append(self.wake)
+            # Another replica created, cancelled or moved a task: look now, not at the next
+            # period (scheduling, cancels, and every follow and wait here).
+            await nursery.start(self.store.watch_changes, self._heard)
             task_status.started()
             try:
                 while True:
-                    with trio.move_on_after(SCHEDULE_EVERY_S):
+                    with trio.move_on_after(SCHEDULE_EVERY_S) as timer:
                         await self._wake.wait()
                     self._wake = trio.Event()
                     try:
+                        if self.registry.replication is not None:
+                            await self.follow_ownership()
+                            if timer.cancelled_caught:
+                                await self.look_for_ends_elsewhere()
                         await self.schedule_once()
                     except ApiError as exc:
                         log.warning(
@@ -225,12 +239,64 @@ class Dispatcher:
     def wake(self) -> None:
         self._wake.set()
 
+    def _heard(self, task_id: str, what: str) -> None:
+        """Another replica changed a task: a new one is scheduled now; one watched here that
+        ended there (a cancel that arrived there, a worker it found gone) stops its watcher;
+        whoever waits on a task here looks again."""
+        self.changed()
+        if what == TaskState.PENDING.value:
+            self.wake()
+            return
+        watch = self._watches.get(task_id)
+        try:
+            state = TaskState(what)
+        except ValueError:
+            return  # its kept log
+        if watch is not None and state.terminal:
+            self._ended_elsewhere(task_id, watch, state)
+
+    def _ended_elsewhere(self, task_id: str, watch: _Watch, state: TaskState) -> None:
+        if watch.cancelled or watch.lost:
+            return
+        if state is TaskState.CANCELLED:
+            watch.cancelled = True
+        else:
+            watch.lost = True
+        self._running_records.pop(task_id, None)
+        watch.scope.cancel()
+
     def changed(self) -> None:
         self._changed.unpark_all()
 
     async def wait_changed(self) -> None:
         """Until any task changes state or progress (callers loop on their own condition)."""
         await self._changed.park()
+
+    async def follow_ownership(self) -> None:
+        """Several replicas: watch the tasks of the workers this replica owns, and hand over
+        those of workers another replica took."""
+        assert self._nursery is not None
+        for watch in self._watches.values():
+            if not self.registry.owns(watch.worker) and not watch.handed_over:
+                watch.handed_over = True
+                watch.scope.cancel()
+        owned = self.registry.owned_ids()
+        self._adopted &= owned
+        for worker in sorted(owned - self._adopted):
+            self._adopted.add(worker)
+            for record in await self.store.running_on(worker):
+                if record.id not in self._watches:
+                    self._hold(record)
+                    self._nursery.start_soon(self._watch, record, True)
+
+    async def look_for_ends_elsewhere(self) -> None:
+        """What `_heard` does, from the records: for a notification this replica missed (its
+        listening connection was being opened again)."""
+        watched = [i for i, w in self._watches.items() if not (w.cancelled or w.lost)]
+        for task_id, state in (await self.store.states(watched)).items():
+            watch = self._watches.get(task_id)
+            if state.terminal and watch is not None:
+                self._ended_elsewhere(task_id, watch, state)
 
     def _sync_new(self, workers: list[WorkerCapacity]) -> None:
         """A worker seen ready for the first time is synced before it takes tasks."""
@@ -246,9 +312,14 @@ class Dispatcher:
         killed one left running). Then the worker takes tasks."""
 
         async def remove_strays(client: WorkerClient) -> None:
+            # Judged by the records, not by this replica's watchers: with several replicas a
+            # task another replica placed is adopted here only as its watcher starts.
+            active = {record.id for record in await self.store.running_on(worker_id)}
             for container in await client.containers():
-                if TASK_LABEL not in container.labels or container.id in self._watches:
-                    continue  # not a task's, or a task still watched
+                if TASK_LABEL not in container.labels or container.id in active:
+                    continue  # not a task's, or a task that has not ended
+                if container.id in self._watches:
+                    continue  # ending now: its watcher cleans up
                 log.warning(
                     "worker %s: removing container %s, which no task owns any more",
                     worker_id,
@@ -272,16 +343,25 @@ class Dispatcher:
         self.wake()
 
     async def schedule_once(self) -> None:
+        replication = self.registry.replication
+        if replication is not None and replication.peers is not None:
+            owned = self.registry.owned_entries()
+            now = self.clock()
+            if not any(is_ready(e, now, self.lost_after_s) for e in owned):
+                # Several replicas, and the others hold every worker: they place the tasks
+                # (and say why one waits).
+                self._sync_new(capacities(owned, self._holding, now, self.lost_after_s))
+                return
         pending = await self.store.pending()
         if not pending:
             self.waiting = {}
             now = self.clock()
             self._sync_new(
-                capacities(self.registry.entries(), self._holding, now, self.lost_after_s)
+                capacities(self.registry.owned_entries(), self._holding, now, self.lost_after_s)
             )
             return
         now = self.clock()
-        workers = capacities(self.registry.entries(), self._holding, now, self.lost_after_s)
+        workers = capacities(self.registry.owned_entries(), self._holding, now, self.lost_after_s)
         self._sync_new(workers)
         workers = [w for w in workers if w.worker_id in self._synced]
         plan = schedule(
@@ -501,12 +581,20 @@ class Dispatcher:
     # -- one task's watcher -----------------------------------------------------------------
 
     async def _watch(self, record: TaskRecord, adopted: bool) -> None:
-        watch = _Watch()
+        assert record.worker is not None
+        watch = _Watch(record.worker)
         self._watches[record.id] = watch
         try:
             with watch.scope:
                 await self._carry(record, adopted)
-            if watch.cancelled:
+            if watch.handed_over:
+                log.info(
+                    "task %s: worker %s is owned by another replica now, which watches it",
+                    record.id,
+                    record.worker,
+                    extra=_fields(task=record.id, worker=record.worker),
+                )
+            elif watch.cancelled:
                 await self._clean_up(record, stop=True)
         except WorkerLost as exc:
             await self._settle(record, Lost(str(exc)))
@@ -651,15 +739,21 @@ class Dispatcher:
             await trio.sleep(PROGRESS_EVERY_S)
 
     async def _report_progress(self, worker: str, task_id: str) -> None:
-        """While the container is made: the pull's progress, for `levers9 run` to show."""
+        """While the container is made: the pull's progress, for `levers9 run` to show; asked
+        every `PROGRESS_EVERY_S` while a pull moves, less and less often while nothing does
+        (a cached image: the container is being made), up to `PROGRESS_IDLE_S`."""
+        every = PROGRESS_EVERY_S
         while True:
-            await trio.sleep(PROGRESS_EVERY_S)
+            await trio.sleep(every)
+            every = min(every * 2, PROGRESS_IDLE_S)
             with contextlib.suppress(ApiError, WorkerLost):
                 status = await self.on_worker(worker, lambda c: c.container(task_id))
                 previous = self.progress.get(task_id)
                 self.progress[task_id] = status
                 if previous is None or previous.pull != status.pull:
                     self.changed()
+                    if status.state == "pulling":
+                        every = PROGRESS_EVERY_S
 
     async def _container_spec(self, record: TaskRecord) -> ContainerSpec:
         spec = record.spec

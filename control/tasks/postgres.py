@@ -17,6 +17,10 @@ starting together migrate once; a database from a newer controlplane is refused.
 
 from __future__ import annotations
 
+import functools
+import logging
+import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,11 +32,13 @@ import trio
 
 from agent.wire.errors import ApiError, ErrorCode
 from control.config import DatabaseSettings
-from control.tasks.store import CasConflict, Rows, TaskStoreError, Tx, migrations_due
+from control.database import Rows, Tx
+from control.tasks.store import CasConflict, TaskStoreError, migrations_due
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresDatabase", "open_postgres"]
 
 T = TypeVar("T")
+log = logging.getLogger("levers9.tasks")
 
 MIGRATIONS: tuple[str, ...] = (
     # 1: tasks in FIFO order of `seq`, their row version, and what ended tasks printed.
@@ -62,10 +68,31 @@ MIGRATIONS: tuple[str, ...] = (
         lines BYTEA NOT NULL
     );
     """,
+    # 2: the replicas and which of them owns each worker (control.replicas.directory).
+    """
+    CREATE TABLE replicas (
+        id TEXT PRIMARY KEY,
+        address TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE workers (
+        id TEXT PRIMARY KEY,
+        token_hash TEXT,
+        facts TEXT,
+        owner TEXT,
+        owner_expires DOUBLE PRECISION
+    );
+    CREATE INDEX workers_owner ON workers (owner);
+    """,
 )
 """Schema migrations; the database's version is how many of these it has had."""
 
 SCHEMA_VERSION = len(MIGRATIONS)
+CHANGES_CHANNEL = "levers9_tasks"
+"""What `Tx.notify` says and `watch_changes` listens to."""
+LISTEN_POLL_S = 0.5
+"""How long the listening thread blocks before it looks whether it should stop."""
 MIGRATION_LOCK = 0x6C657665  # "leve": the advisory lock replicas migrate under
 CONNECT_TIMEOUT_S = 10
 
@@ -89,20 +116,36 @@ def password_of(settings: DatabaseSettings) -> str | None:
 
 
 class _Tx:
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], origin: str) -> None:
         self._conn = conn
+        self._origin = origin
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
         cursor: Rows = self._conn.execute(sql.replace("?", "%s"), params)
         return cursor
 
+    def notify(self, task_id: str, what: str) -> None:
+        # Delivered at commit. The payload names this process first, whose own listener then
+        # lets it pass; task ids and states have no spaces.
+        payload = f"{self._origin} {task_id} {what}"
+        self._conn.execute("SELECT pg_notify(%s, %s)", (CHANGES_CHANNEL, payload))
+
 
 class PostgresDatabase:
     """A pool of connections to one database; each `run` one transaction on one of them."""
 
-    def __init__(self, pool: psycopg_pool.ConnectionPool[Any], where: str, size: int) -> None:
+    def __init__(
+        self,
+        pool: psycopg_pool.ConnectionPool[Any],
+        where: str,
+        size: int,
+        connect: Callable[[], psycopg.Connection[Any]],
+    ) -> None:
         self._pool = pool
+        self._connect = connect
         self.where = where
+        self.origin = secrets.token_hex(8)
+        """Names this process's notifications, so it does not wake for its own changes."""
         self._limiter = trio.CapacityLimiter(size)
         self._closed = False
 
@@ -114,7 +157,7 @@ class PostgresDatabase:
     def _transaction(self, fn: Callable[[Tx], T]) -> T:
         try:
             with self._pool.connection() as conn, conn.transaction():
-                return fn(_Tx(conn))
+                return fn(_Tx(conn, self.origin))
         except (ApiError, CasConflict):
             raise
         except psycopg.errors.SerializationFailure:
@@ -128,6 +171,59 @@ class PostgresDatabase:
             raise TaskStoreError(
                 ErrorCode.INTERNAL, f"task database {self.where}: {_first_line(exc)}"
             ) from None
+
+    async def watch_changes(
+        self,
+        on_change: Callable[[str, str], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """LISTEN on a connection of its own, outside the pool, read in a thread of its own;
+        each notification calls `on_change` in trio. A lost connection is opened again after
+        a second (what changed meanwhile is seen by the callers' own periodic looks)."""
+        token = trio.lowlevel.current_trio_token()
+        stop = threading.Event()
+        first_try = trio.Event()
+
+        def in_trio(fn: Callable[[], None]) -> None:
+            try:
+                trio.from_thread.run_sync(fn, trio_token=token)
+            except trio.RunFinishedError:
+                stop.set()
+
+        def listen() -> None:
+            while not stop.is_set():
+                try:
+                    with self._connect() as conn:
+                        conn.execute(f"LISTEN {CHANGES_CHANNEL}")
+                        in_trio(first_try.set)
+                        while not stop.is_set():
+                            for note in conn.notifies(timeout=LISTEN_POLL_S):
+                                origin, _, rest = note.payload.partition(" ")
+                                task_id, _, what = rest.partition(" ")
+                                if origin != self.origin:
+                                    in_trio(functools.partial(on_change, task_id, what))
+                except psycopg.Error as exc:
+                    in_trio(first_try.set)
+                    log.warning(
+                        "task database %s: listening for other replicas' changes failed: "
+                        "%s; trying again",
+                        self.where,
+                        _first_line(exc),
+                    )
+                    stop.wait(1.0)
+
+        async def in_thread() -> None:
+            try:
+                await trio.to_thread.run_sync(listen, abandon_on_cancel=True)
+            finally:
+                stop.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_thread)
+            # Started once LISTEN is in place: a change made after that is heard.
+            await first_try.wait()
+            task_status.started()
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -167,6 +263,9 @@ async def open_postgres(settings: DatabaseSettings) -> PostgresDatabase:
             raise
         return pool
 
+    def listener() -> psycopg.Connection[Any]:
+        return psycopg.connect(settings.url or "", autocommit=True, **kwargs)
+
     started = time.monotonic()
     try:
         pool = await trio.to_thread.run_sync(connect)
@@ -184,7 +283,7 @@ async def open_postgres(settings: DatabaseSettings) -> PostgresDatabase:
         raise TaskStoreError(
             ErrorCode.UNAVAILABLE, f"task database {where}: {_first_line(exc)}"
         ) from None
-    return PostgresDatabase(pool, where, settings.pool_size)
+    return PostgresDatabase(pool, where, settings.pool_size, listener)
 
 
 def _why_not(url: str, kwargs: dict[str, Any]) -> str:

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import trio
 
 from agent.wire.errors import ErrorCode
-from control.tasks.store import Rows, TaskStoreError, Tx, migrations_due
+from control.database import Rows, Tx
+from control.tasks.store import TaskStoreError, migrations_due
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "SqliteDatabase", "open_sqlite"]
 
@@ -61,6 +62,23 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE tasks ADD COLUMN version INTEGER NOT NULL DEFAULT 1;
     """,
+    # 4: the replicas and which of them owns each worker (control.replicas.directory).
+    """
+    CREATE TABLE replicas (
+        id TEXT PRIMARY KEY,
+        address TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        expires_at REAL NOT NULL
+    );
+    CREATE TABLE workers (
+        id TEXT PRIMARY KEY,
+        token_hash TEXT,
+        facts TEXT,
+        owner TEXT,
+        owner_expires REAL
+    );
+    CREATE INDEX workers_owner ON workers (owner);
+    """,
 )
 """Schema migrations; the file's version is how many of these it has had."""
 
@@ -74,6 +92,9 @@ class _Tx:
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
         cursor: Rows = self._conn.execute(sql, params)
         return cursor
+
+    def notify(self, task_id: str, what: str) -> None:
+        """One process holds the file: its own wake-ups are all there is."""
 
 
 class SqliteDatabase:
@@ -95,6 +116,16 @@ class SqliteDatabase:
         # BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (the connection autocommits
         # otherwise, so the transaction boundaries are ours, not the sqlite3 module's guesses).
         return _guarded(self.where, lambda: _in_transaction(self._conn, fn))
+
+    async def watch_changes(
+        self,
+        on_change: Callable[[str, str], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """No other replica writes this file: nothing to hear."""
+        task_status.started()
+        await trio.sleep_forever()
 
     async def aclose(self) -> None:
         async with self._lock:

@@ -26,13 +26,15 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import attrs
+import trio
 
 from agent.api.models import VolumeSpec
 from agent.wire.errors import ApiError, ErrorCode, dumps, loads
+from control.database import Database, Tx
 from control.models import TaskState
 
 T = TypeVar("T")
@@ -322,39 +324,6 @@ def _not_found(task_id: str) -> ApiError:
     )
 
 
-class Rows(Protocol):
-    """What a statement returns: its rows, and how many rows it changed."""
-
-    @property
-    def rowcount(self) -> int: ...
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-    def __iter__(self) -> Iterator[Any]: ...
-
-
-class Tx(Protocol):
-    """One transaction: statements with `?` placeholders."""
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows: ...
-
-
-class Database(Protocol):
-    """A database the store runs its transactions on, each in a worker thread."""
-
-    where: str
-    """How errors name it: the file's path, or the server's URL without its password."""
-
-    async def run(self, fn: Callable[[Tx], T]) -> T:
-        """`fn` in one transaction, committed when it returns, rolled back when it raises;
-        its errors and the database's translated (`TaskStoreError`, `ApiError`s kept)."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
 def migrations_due(version: int, known: int, where: str) -> range:
     """The numbers of the migrations a database at schema `version` needs to reach `known`;
     a database from a newer controlplane is refused."""
@@ -393,6 +362,10 @@ def _update(tx: Tx, record: TaskRecord, version: int) -> None:
     )
     if changed.rowcount != 1:
         raise CasConflict(record.id)
+    if record.state is not TaskState.RUNNING:
+        # Placed (a follow elsewhere starts) or ended (a watcher elsewhere stops, a wait
+        # returns); that it runs changes nothing another replica waits on.
+        tx.notify(record.id, record.state.value)
 
 
 def _select_one(tx: Tx, workspace: str, task_id: str) -> tuple[TaskRecord, int] | None:
@@ -422,10 +395,26 @@ class TaskStore:
     def where(self) -> str:
         return self._db.where
 
+    @property
+    def database(self) -> Database:
+        """The database under the records (the replicas keep theirs in it too)."""
+        return self._db
+
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
             await self._db.aclose()
+
+    async def watch_changes(
+        self,
+        on_change: Callable[[str, str], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """`on_change(task_id, what)` whenever another replica created a task, moved one (what:
+        its new state) or kept its log (`logs`); this replica's own changes are not echoed
+        back. Until cancelled."""
+        await self._db.watch_changes(on_change, task_status=task_status)
 
     async def _run(self, fn: Callable[[Tx], T]) -> T:
         if self._closed:
@@ -465,7 +454,10 @@ class TaskStore:
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
                 (record.id, workspace, record.state.value, spec_json, now),
             )
-            return record if inserted.rowcount == 1 else None
+            if inserted.rowcount != 1:
+                return None
+            tx.notify(record.id, record.state.value)
+            return record
 
         while True:
             created = await self._run(insert)
@@ -538,6 +530,19 @@ class TaskStore:
 
         return await self._run(select)
 
+    async def states(self, task_ids: Sequence[str]) -> dict[str, TaskState]:
+        """The states of these tasks (those that exist), in any workspace."""
+        ids = list(task_ids)
+        if not ids:
+            return {}
+
+        def select(tx: Tx) -> dict[str, TaskState]:
+            marks = ",".join("?" for _ in ids)
+            rows = tx.execute(f"SELECT id, state FROM tasks WHERE id IN ({marks})", ids)
+            return {str(r[0]): TaskState(r[1]) for r in rows}
+
+        return await self._run(select)
+
     async def active(self) -> tuple[TaskRecord, ...]:
         """Every task placed on a worker that has not ended (starting or running), oldest
         first: what a restarted controlplane watches again."""
@@ -561,6 +566,7 @@ class TaskStore:
                 "ON CONFLICT (id) DO UPDATE SET lines = excluded.lines",
                 (task_id, lines),
             )
+            tx.notify(task_id, "logs")  # a follow elsewhere waits for the kept log
 
         await self._run(save)
 

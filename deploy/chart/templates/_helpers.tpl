@@ -100,13 +100,52 @@ else "".
 {{/* Refuse values the controlplane cannot run with; each message names the field. */}}
 {{- define "levers9.validate" -}}
 {{- $private := "move them under secretConfig in your private values file (kept outside the repository), which the chart puts in a Secret" }}
-{{- if ne (int .Values.replicaCount) 1 }}
-{{- fail (printf "replicaCount: %v is not supported yet: several replicas need their task records in PostgreSQL (config.database.url) and worker routing between replicas, which this release does not have; set replicaCount: 1" .Values.replicaCount) }}
+{{- $replicas := .Values.replicaCount }}
+{{- if or (kindIs "invalid" $replicas) (kindIs "bool" $replicas) (not (regexMatch "^[0-9]+$" (toString $replicas))) (lt (int $replicas) 1) }}
+{{- fail (printf "replicaCount: %v must be a whole number, 1 or more" $replicas) }}
 {{- end }}
 {{- if not (kindIs "map" .Values.config) }}
 {{- fail "config: must be a mapping of the controlplane's settings (publicUrl, listen, worker...); see the chart's values.yaml" }}
 {{- end }}
 {{- $c := .Values.config }}
+{{- $secretConfig := .Values.secretConfig | default dict }}
+{{- if not (kindIs "map" $secretConfig) }}
+{{- fail "secretConfig: must be a mapping of the controlplane's secret settings (apiTokens, worker, workspaces...); see the chart's values.yaml" }}
+{{- end }}
+{{- $replication := $c.replication | default dict }}
+{{- if not (kindIs "map" $replication) }}
+{{- fail "config.replication: must be a mapping (advertise, leaseS); its secret goes under secretConfig.replication.secret" }}
+{{- end }}
+{{- if $replication.secret }}
+{{- fail (printf "config.replication.secret: the replica secret must not be in the ConfigMap; %s (secretConfig.replication.secret)" $private) }}
+{{- end }}
+{{- $replicaSecrets := $secretConfig.replication | default dict }}
+{{- if not (kindIs "map" $replicaSecrets) }}
+{{- fail "secretConfig.replication: must be a mapping (secret: ...)" }}
+{{- end }}
+{{- if $replicaSecrets.secret }}
+{{- if or (not (kindIs "string" $replicaSecrets.secret)) (lt (len $replicaSecrets.secret) 16) }}
+{{- fail "secretConfig.replication.secret must be a string of 16 characters or more; use a long random one (openssl rand -hex 32)" }}
+{{- end }}
+{{- if $replication.secretFile }}
+{{- fail "secretConfig.replication.secret and config.replication.secretFile are both set; keep one" }}
+{{- end }}
+{{- end }}
+{{- if gt (int $replicas) 1 }}
+{{- if not (and (kindIs "map" $c.database) $c.database.url) }}
+{{- fail (printf "replicaCount: %v needs the task records in PostgreSQL: set config.database.url (with secretConfig.database.password), or set replicaCount: 1 (SQLite on the volume takes one replica)" $replicas) }}
+{{- end }}
+{{- if not (or $replicaSecrets.secret $replication.secretFile) }}
+{{- fail (printf "secretConfig.replication.secret is empty; replicaCount: %v needs it (the replicas authenticate each other with it when one passes a request on to the replica holding the worker): put a long random string there (openssl rand -hex 32) in your private values file, kept outside the repository" $replicas) }}
+{{- end }}
+{{- end }}
+{{- $pdb := .Values.podDisruptionBudget | default dict }}
+{{- if not (kindIs "map" $pdb) }}
+{{- fail "podDisruptionBudget: must be a mapping (enabled, maxUnavailable); see the chart's values.yaml" }}
+{{- end }}
+{{- if and $pdb.enabled (not (regexMatch "^([1-9][0-9]*|[1-9][0-9]?%|100%)$" (toString $pdb.maxUnavailable))) }}
+{{- fail (printf "podDisruptionBudget.maxUnavailable: %v must be a whole number of pods, 1 or more, or a percentage such as 50%%" $pdb.maxUnavailable) }}
+{{- end }}
 {{- if hasKey $c "leaderElection" }}
 {{- fail "config.leaderElection: set the chart's leaderElection: values instead (top level, beside replicaCount); the chart renders config.leaderElection from them together with the Role the Leases need" }}
 {{- end }}

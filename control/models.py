@@ -129,6 +129,8 @@ class TaskView:
     waiting: str | None = None
     pull: PullStatus | None = None
     container_state: str | None = None
+    card_model: str | None = None
+    """The model of its cards, as its worker reported them."""
 
     @property
     def terminal(self) -> bool:
@@ -138,6 +140,8 @@ class TaskView:
 @attrs.frozen
 class TaskList:
     tasks: tuple[TaskView, ...]
+    next: str | None = None
+    """The id to pass as `before` for the next page; None on the last page."""
 
 
 @attrs.frozen

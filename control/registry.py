@@ -24,13 +24,13 @@ import builtins
 import hmac
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
 import trio
 
 from agent.api.client import WorkerClient
-from agent.api.models import Registration, WorkerInfo, WorkerSummary
+from agent.api.models import CardInfo, Registration, WorkerInfo, WorkerSummary
 from agent.wire.connection import Http2Connection, KeepaliveConfig
 from agent.wire.errors import ApiError, ErrorCode
 from agent.wire.http2 import Http2Settings
@@ -70,6 +70,10 @@ class WorkerEntry:
     registered_at: float | None = None
     cards: int = 0
     card_ids: tuple[str, ...] = ()
+    card_model: str | None = None
+    """The model of its serving cards (the first one's, as reported)."""
+    connected_at: float | None = None
+    """When this replica's current tunnel or direct connection to it opened."""
     cpu_millis: int = 0
     memory_bytes: int = 0
     runs_containers: bool = False
@@ -107,6 +111,9 @@ class WorkerRegistry:
         self._owner_cache: dict[str, tuple[OwnerAddress, float]] = {}
         self._clock: Callable[[], float] = time.time
         self._nursery = nursery
+        self.on_connection: Callable[[Http2Connection, str], None] | None = None
+        """Told of each tunnel that lands and each direct connection dialed, with its mode
+        (metrics count their bytes and round trips)."""
         self._settings = settings
         self._keepalive = keepalive
         self._changed = trio.lowlevel.ParkingLot()
@@ -242,6 +249,7 @@ class WorkerRegistry:
         serving = tuple(c.uuid for c in registration.cards if c.state == "serving")
         entry.cards = len(serving)
         entry.card_ids = serving
+        entry.card_model = _model_of(registration.cards)
         entry.cpu_millis = registration.cpu_millis or 0
         entry.memory_bytes = registration.memory_bytes or 0
         entry.runs_containers = registration.containers
@@ -281,6 +289,9 @@ class WorkerRegistry:
             name=entry.worker_id,
         )
         await self._nursery.start(conn.run)
+        entry.connected_at = time.time()
+        if self.on_connection is not None:
+            self.on_connection(conn, "direct")
         return WorkerClient(conn, token=entry.token, authority=entry.worker_id)
 
     # -- tunnel mode --
@@ -298,7 +309,9 @@ class WorkerRegistry:
         entry.tunnel = client
         entry.mode = "tunnel"
         entry.version = version or entry.version
-        entry.registered_at = time.time()
+        entry.registered_at = entry.connected_at = time.time()
+        if self.on_connection is not None and old is not client:
+            self.on_connection(client.conn, "tunnel")
         if old is not None and old is not client and not old.conn.closed:
             # The agent drains the old tunnel itself (GOAWAY); we just stop using it.
             log.info("worker %s opened a new tunnel; the old one drains", worker_id)
@@ -313,6 +326,7 @@ class WorkerRegistry:
         entry.node = info.node
         entry.card_ids = tuple(c.uuid for c in info.cards if c.state == "serving")
         entry.cards = len(entry.card_ids)
+        entry.card_model = _model_of(info.cards)
 
     def detach_tunnel(self, worker_id: str, client: WorkerClient) -> None:
         entry = self._entries.get(worker_id)
@@ -414,6 +428,9 @@ class WorkerRegistry:
                 registered_at=e.registered_at,
                 cards=e.cards,
                 replica=self._holder(e.worker_id, now),
+                connected_at=e.connected_at if e.connected() else None,
+                rtt_ms=_rtt_ms(e),
+                card_model=e.card_model,
             )
             for e in self._entries.values()
             if self.replication is None
@@ -434,6 +451,7 @@ class WorkerRegistry:
                 registered_at=facts.get("registeredAt"),
                 cards=int(facts.get("cards") or 0),
                 replica=self._holder(row.worker_id, now),
+                card_model=facts.get("cardModel"),
             )
         return [out[k] for k in sorted(out)]
 
@@ -556,12 +574,27 @@ def _facts(entry: WorkerEntry) -> dict[str, object]:
         "node": entry.node,
         "cards": entry.cards,
         "cardIds": list(entry.card_ids),
+        "cardModel": entry.card_model,
         "cpuMillis": entry.cpu_millis,
         "memoryBytes": entry.memory_bytes,
         "containers": entry.runs_containers,
         "draining": entry.draining,
         "registeredAt": entry.registered_at,
     }
+
+
+def _rtt_ms(entry: WorkerEntry) -> float | None:
+    """The last keepalive round trip to the worker on this replica's connection, if any."""
+    for client in (entry.tunnel, entry.direct):
+        if client is not None and client.conn.usable:
+            rtt = client.conn.statistics().last_rtt_s
+            return round(rtt * 1000, 3) if rtt is not None else None
+    return None
+
+
+def _model_of(cards: Sequence[CardInfo]) -> str | None:
+    """The model of a worker's serving cards, as its first one names it."""
+    return next((c.model for c in cards if c.state == "serving"), None)
 
 
 def _registered_at(row: WorkerRow | None) -> float | None:
@@ -583,6 +616,7 @@ def _refresh(entry: WorkerEntry, facts: dict[str, object]) -> bool:
     entry.node = facts.get("node")  # type: ignore[assignment]
     entry.card_ids = tuple(facts.get("cardIds") or ())  # type: ignore[arg-type]
     entry.cards = int(facts.get("cards") or 0)  # type: ignore[call-overload]
+    entry.card_model = facts.get("cardModel")  # type: ignore[assignment]
     entry.cpu_millis = int(facts.get("cpuMillis") or 0)  # type: ignore[call-overload]
     entry.memory_bytes = int(facts.get("memoryBytes") or 0)  # type: ignore[call-overload]
     entry.runs_containers = bool(facts.get("containers"))

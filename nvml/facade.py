@@ -8,14 +8,16 @@ module imports pynvml or sees its exceptions.
 
 It is synchronous on purpose: NVML calls are blocking C calls, so the agent runs them in a worker
 thread (`trio.to_thread.run_sync`). `open_nvml()` initialises NVML and shuts it down again; NVML
-counts initialisations, so nested or concurrent sessions are fine.
+counts initialisations, so nested or concurrent sessions are fine, and NVML itself is thread-safe,
+so one session may serve two threads (the agent's metrics read readings in one while another
+waits for XIDs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -26,9 +28,11 @@ from nvml.model import (
     Health,
     Link,
     Process,
+    Readings,
     Snapshot,
     Topology,
     Unreachable,
+    XidEvent,
 )
 
 T = TypeVar("T")
@@ -50,6 +54,7 @@ _ERROR_GPU_IS_LOST = 15
 _ERROR_RESET_REQUIRED = 16
 _ERROR_OPERATING_SYSTEM = 17
 _ERROR_LIB_RM_VERSION_MISMATCH = 18
+_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 _ERROR_UNKNOWN = 999
 
 _CARD_FAILURES = frozenset(
@@ -66,7 +71,9 @@ _CARD_FAILURES = frozenset(
 _NOT_OFFERED = frozenset({_ERROR_NOT_SUPPORTED, _ERROR_FUNCTION_NOT_FOUND})
 
 _MEMORY_V2 = (2 << 24) | 40  # NVML_STRUCT_VERSION(Memory, 2): sizeof(nvmlMemory_v2_t) == 40
+_MEMORY_ERROR_CORRECTED = 0
 _MEMORY_ERROR_UNCORRECTED = 1
+_TEMPERATURE_GPU = 0
 _VOLATILE_ECC = 0
 _EVENT_XID_CRITICAL = 0x8
 _P2P_CAPS_NVLINK = 2
@@ -185,12 +192,7 @@ class Nvml:
     def device(self, index: int) -> Device:
         """The card at NVML index `index`. Raises DeviceUnresponsiveError if it does not answer."""
         handle = self._handle(index)
-        try:
-            memory = self._call(
-                "nvmlDeviceGetMemoryInfo", handle, getattr(self._lib, "nvmlMemory_v2", _MEMORY_V2)
-            )
-        except NotSupportedError:  # a driver from before the versioned struct
-            memory = self._call("nvmlDeviceGetMemoryInfo", handle)
+        memory = self._memory(handle)
         pci = self._call("nvmlDeviceGetPciInfo_v3", handle)
         mig_mode = self._optional(lambda: self._call("nvmlDeviceGetMigMode", handle))
         mig_enabled = None if mig_mode is None else bool(mig_mode[0])
@@ -205,6 +207,14 @@ class Nvml:
             mig_enabled=mig_enabled,
             mig_devices=self._mig_devices(handle) if mig_enabled else (),
         )
+
+    def _memory(self, handle: Any) -> Any:
+        try:
+            return self._call(
+                "nvmlDeviceGetMemoryInfo", handle, getattr(self._lib, "nvmlMemory_v2", _MEMORY_V2)
+            )
+        except NotSupportedError:  # a driver from before the versioned struct
+            return self._call("nvmlDeviceGetMemoryInfo", handle)
 
     def _mig_devices(self, handle: Any) -> tuple[str, ...]:
         count = self._optional(lambda: int(self._call("nvmlDeviceGetMaxMigDeviceCount", handle)))
@@ -268,6 +278,79 @@ class Nvml:
             ecc_uncorrected_volatile=ecc,
             xids=xids,
         )
+
+    def readings(self, index: int) -> Readings:
+        """What card `index` measures now. Raises DeviceUnresponsiveError if it does not answer;
+        a reading the card or driver does not offer is None."""
+        handle = self._handle(index)
+        memory = self._optional(lambda: self._memory(handle))
+        utilization = self._optional(lambda: self._call("nvmlDeviceGetUtilizationRates", handle))
+        power_mw = self._optional(lambda: int(self._call("nvmlDeviceGetPowerUsage", handle)))
+        return Readings(
+            utilization_gpu_percent=None if utilization is None else int(utilization.gpu),
+            utilization_memory_percent=None if utilization is None else int(utilization.memory),
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            temperature_celsius=self._optional(lambda: self._temperature(handle)),
+            power_watts=None if power_mw is None else power_mw / 1000,
+            ecc_corrected_volatile=self._optional(
+                lambda: self._ecc_volatile(handle, _MEMORY_ERROR_CORRECTED)
+            ),
+            ecc_uncorrected_volatile=self._optional(
+                lambda: self._ecc_volatile(handle, _MEMORY_ERROR_UNCORRECTED)
+            ),
+        )
+
+    def _temperature(self, handle: Any) -> int:
+        """The die's temperature: the versioned call where pynvml and the driver have it (NVML
+        13 deprecates the other), else the unversioned one older drivers offer."""
+        if hasattr(self._lib, "nvmlDeviceGetTemperatureV"):
+            try:
+                return int(self._call("nvmlDeviceGetTemperatureV", handle, _TEMPERATURE_GPU))
+            except NvmlError as exc:
+                if not isinstance(exc, NotSupportedError) and (
+                    exc.code != _ERROR_ARGUMENT_VERSION_MISMATCH
+                ):
+                    raise
+        return int(self._call("nvmlDeviceGetTemperature", handle, _TEMPERATURE_GPU))
+
+    def _ecc_volatile(self, handle: Any, error_type: int) -> int:
+        return int(self._call("nvmlDeviceGetTotalEccErrors", handle, error_type, _VOLATILE_ECC))
+
+    @contextlib.contextmanager
+    def listen_for_xids(self) -> Iterator[XidListener]:
+        """An event set that hears the critical XIDs of every card offering them, until the
+        block ends. A card that does not offer XID events, or refuses the registration, is
+        left out (`XidListener.listening` names the cards heard)."""
+        event_set = self._call("nvmlEventSetCreate")
+        try:
+            listening: dict[str, int] = {}
+            for index in range(self.device_count()):
+                uuid = self._register_xids(index, event_set)
+                if uuid is not None:
+                    listening[uuid] = index
+            yield XidListener(self, event_set, listening)
+        finally:
+            with contextlib.suppress(NvmlError):
+                self._call("nvmlEventSetFree", event_set)
+
+    def _register_xids(self, index: int, event_set: Any) -> str | None:
+        """Registers card `index` for critical XIDs in `event_set`; its UUID, or None where it
+        does not offer them, refuses, or does not answer."""
+        try:
+            handle = self._handle(index)
+            supported = self._optional(
+                lambda: int(self._call("nvmlDeviceGetSupportedEventTypes", handle))
+            )
+            if not supported or not supported & _EVENT_XID_CRITICAL:
+                return None
+            uuid = str(self._call("nvmlDeviceGetUUID", handle))
+            self._call("nvmlDeviceRegisterEvents", handle, _EVENT_XID_CRITICAL, event_set)
+        except NvmlUnavailableError:
+            raise
+        except NvmlError:
+            return None
+        return uuid
 
     def _xids(self, handle: Any, wait_ms: int) -> tuple[int, ...] | None:
         supported = self._optional(
@@ -384,6 +467,39 @@ class Nvml:
             return str(self._call("nvmlDeviceGetUUID", self._handle(index)))
         except NvmlError:
             return None
+
+
+class XidListener:
+    """An NVML event set registered for critical XIDs; get one from `Nvml.listen_for_xids()`.
+
+    NVML queues a registered card's events in the set until they are read, so successive
+    `wait` calls return every critical XID reported since the listener was opened, each once.
+    Its methods block.
+    """
+
+    def __init__(self, nvml: Nvml, event_set: Any, listening: Mapping[str, int]) -> None:
+        self._nvml = nvml
+        self._event_set = event_set
+        self.listening = frozenset(listening)
+        """The UUIDs of the cards whose XIDs this set hears."""
+
+    def wait(self, timeout_ms: int) -> tuple[XidEvent, ...]:
+        """The XIDs that arrive within `timeout_ms` (0: those already queued), returned as soon
+        as one has, with whatever was queued behind it; empty when none came."""
+        events: list[XidEvent] = []
+        for _ in range(_XID_EVENTS_PER_READ):
+            try:
+                event = self._nvml._call(
+                    "nvmlEventSetWait", self._event_set, 0 if events else timeout_ms
+                )
+            except NvmlError as exc:
+                if exc.code == _ERROR_TIMEOUT:  # no (more) events: the normal end
+                    break
+                raise
+            if int(event.eventType) & _EVENT_XID_CRITICAL:
+                uuid = str(self._nvml._call("nvmlDeviceGetUUID", event.device))
+                events.append(XidEvent(uuid=uuid, xid=int(event.eventData)))
+        return tuple(events)
 
 
 def _text(value: Any) -> str:

@@ -62,6 +62,38 @@ class Health:
     """Critical XID events delivered while the health was read; None: not reported here."""
 
 
+@attrs.frozen
+class Readings:
+    """What a card measures now, for monitoring; each None where the card or driver cannot say.
+
+    Unlike `Health` these are not judged by the agent: they are reported as they are read.
+    """
+
+    utilization_gpu_percent: int | None = None
+    """Share of the last sample period (1/6 s to 1 s) in which a kernel ran."""
+    utilization_memory_percent: int | None = None
+    """Share of the last sample period in which device memory was read or written."""
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_celsius: int | None = None
+    """The GPU die's sensor."""
+    power_watts: float | None = None
+    """Power drawn by the whole board (NVML reports milliwatts)."""
+    ecc_corrected_volatile: int | None = None
+    """Corrected ECC errors since the driver last loaded."""
+    ecc_uncorrected_volatile: int | None = None
+    """Uncorrectable ECC errors since the driver last loaded."""
+
+
+@attrs.frozen
+class XidEvent:
+    """A critical XID a card reported while an `XidListener` listened."""
+
+    uuid: str
+    """The card's UUID."""
+    xid: int
+
+
 class Link(enum.Enum):
     """How two cards reach each other, best first. `rank` orders them."""
 

@@ -1,7 +1,8 @@
 """`python -m sim ...`: the simulated installation, for a person to use on its own.
 
-- `python -m sim demo` runs the demo (`make demo`): a stand-in cluster with two GPU nodes, the
-  controlplane's workers on them in direct and tunnel mode, GPU tasks and an endpoint.
+- `python -m sim demo [--keep]` runs the demo (`make demo`): a stand-in cluster with two GPU
+  nodes, the controlplane's workers on them in direct and tunnel mode, GPU tasks and an
+  endpoint; it ends with the dashboard's address, and `--keep` keeps it up until Ctrl-C.
 - `python -m sim demo-ha` (`make demo-ha`): three controlplane replicas over PostgreSQL behind
   one Service, and the one holding a running task's worker killed; the task goes on.
 - `python -m sim cluster [--nodes N] [--pods-per-node M] [--dir DIR]` serves the Kubernetes
@@ -59,7 +60,15 @@ def _missing_extras() -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="run the demo end to end (what `make demo` runs)")
+    demo_parser = commands.add_parser(
+        "demo", help="run the demo end to end (what `make demo` runs)"
+    )
+    demo_parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the installation and its dashboard up after the demo, until Ctrl-C "
+        "(`make demo KEEP=1`)",
+    )
     commands.add_parser(
         "demo-ha",
         help="three controlplane replicas over PostgreSQL, one killed mid-task "
@@ -81,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from sim.demo import main as demo
 
-        return demo()
+        return demo(keep=args.keep)
     if args.command == "demo-ha":
         from sim.demo_ha import main as demo_ha
 

@@ -319,10 +319,12 @@ def control_values(
     registries: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     joined_pools: Mapping[str, Any] | None = None,
     database_block: Mapping[str, Any] | None = None,
+    extra_config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The controlplane's values; `database_block` (e.g. a PostgreSQL URL and password)
-    replaces the SQLite file at `database`."""
+    replaces the SQLite file at `database`; `extra_config` adds blocks of `config`."""
     extra = {"joinedPools": dict(joined_pools)} if joined_pools is not None else {}
+    extra.update(extra_config or {})
     return {
         "config": {
             **extra,
@@ -361,10 +363,12 @@ async def open_cluster(
     registries: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     joined_pools: Mapping[str, Any] | None = None,
     database: Mapping[str, Any] | None = None,
+    extra_config: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Cluster]:
     """Nodes are (node, pool name) pairs; `database` is the values' database block (the SQLite
-    file under `root` by default). The kubelet starts before the controlplane so the
-    nodes are there for its first reconcile; everything stops when the block ends."""
+    file under `root` by default); `extra_config` adds blocks of the values' `config`. The
+    kubelet starts before the controlplane so the nodes are there for its first reconcile;
+    everything stops when the block ends."""
     root.mkdir(parents=True, exist_ok=True)
     pki = make_pki(root)
     tokens = {"team-a": secrets.token_urlsafe(24), "team-b": secrets.token_urlsafe(24)}
@@ -384,6 +388,7 @@ async def open_cluster(
             registries=registries,
             joined_pools=joined_pools,
             database_block=database,
+            extra_config=extra_config,
         )
     )
     labelled = [

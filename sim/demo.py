@@ -21,9 +21,11 @@ else it says which step failed and exits 1; it stops everything it started eithe
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -229,7 +231,28 @@ async def _join_tunnel_pool(cluster: Cluster, kubeconfig: Path) -> None:
     )
 
 
-async def run_demo(workdir: Path) -> None:
+async def _show_dashboard(cluster: Cluster, workdir: Path, keep: bool) -> None:
+    """The dashboard's address, and where the workspace's token is for signing in (a file
+    only the user can read, removed with the demo's directory; never printed)."""
+    hint = workdir / "sign-in-token"
+    hint.touch(mode=0o600)
+    hint.write_text(cluster.tokens[WORKSPACE] + "\n")
+    say(
+        f"\ndashboard: {cluster.url}/ui/ (on this machine; the certificate is the demo's own, "
+        f"from the CA in {cluster.pki.ca_file})"
+    )
+    say(f"  sign in with the token of workspace {WORKSPACE}: cat {hint}")
+    if not keep:
+        say("  `make demo KEEP=1` keeps it up after the demo, until Ctrl-C")
+        return
+    say("  up until Ctrl-C ...")
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            say("stopping ...")
+            return
+
+
+async def run_demo(workdir: Path, keep: bool = False) -> None:
     say("starting a registry, the Kubernetes API stand-in and the controlplane ...")
     with running_registry(workdir / "registry") as registry:
         registry.push("busybox", "latest", busybox_image())
@@ -275,6 +298,7 @@ async def run_demo(workdir: Path) -> None:
                     "\ndemo finished: a cluster joined with no key, a 1-card and a 2-card task "
                     "ran on their cards, and a task's HTTP port answered through the controlplane"
                 )
+                await _show_dashboard(cluster, workdir, keep)
         finally:
             kube.stop()
 
@@ -287,8 +311,8 @@ def _leaves(group: BaseExceptionGroup[DemoFailed]) -> Iterator[BaseException]:
             yield exc
 
 
-def main() -> int:
-    return run_demo_main(run_demo, "levers9-demo-")
+def main(keep: bool = False) -> int:
+    return run_demo_main(functools.partial(run_demo, keep=keep), "levers9-demo-")
 
 
 def run_demo_main(run: Callable[[Path], Awaitable[None]], prefix: str) -> int:

@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import yaml
 
@@ -467,6 +468,185 @@ def test_leader_election_timings_are_checked(
     assert message in refused(tmp_path, values)
 
 
+# --- metrics -----------------------------------------------------------------------------------
+
+
+def with_metrics(port: int = 9090, **monitor: Any) -> dict[str, Any]:
+    values = public_values()
+    values["metrics"] = {"enabled": True, "port": port}
+    if monitor:
+        values["metrics"]["serviceMonitor"] = {"enabled": True, **monitor}
+    return values
+
+
+def services(docs: list[Any]) -> dict[str, Any]:
+    """The Services by the names of their ports: the public one is `https`."""
+    return {
+        ",".join(port["name"] for port in doc["spec"]["ports"]): doc
+        for doc in of_kind(docs, "Service")
+    }
+
+
+def test_metrics_are_off_by_default(tmp_path: Path) -> None:
+    assert chart_defaults()["metrics"] == {
+        "enabled": False,
+        "port": 9090,
+        "serviceMonitor": {"enabled": False, "interval": "30s", "labels": {}},
+    }
+    docs = render(tmp_path, public_values(), private_values())
+    assert "metrics" not in yaml.safe_load(configmap_text(docs))["config"]
+    assert [port["name"] for port in container(docs)["ports"]] == ["https"]
+    assert list(services(docs)) == ["https"]
+    assert of_kind(docs, "ServiceMonitor") == []
+
+
+def test_metrics_enabled_renders_the_listener_its_port_and_a_cluster_service(
+    tmp_path: Path,
+) -> None:
+    docs = render(tmp_path, with_metrics(9191), private_values())
+    rendered = yaml.safe_load(configmap_text(docs))["config"]
+    assert rendered["metrics"] == {"listen": "0.0.0.0:9191"}
+    assert rendered["listen"] == "0.0.0.0:8443"
+    assert {"name": "metrics", "containerPort": 9191, "protocol": "TCP"} in container(docs)["ports"]
+    # The probes stay on the HTTPS port.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container(docs)[probe]["tcpSocket"]["port"] == "https"
+
+    by_ports = services(docs)
+    assert sorted(by_ports) == ["https", "metrics"]
+    # The tokenless listener is not put on the public (LoadBalancer) Service.
+    assert by_ports["https"]["spec"]["type"] == "LoadBalancer"
+    metrics = by_ports["metrics"]
+    assert metrics["metadata"]["namespace"] == NAMESPACE
+    assert metrics["spec"]["type"] == "ClusterIP"
+    assert metrics["spec"]["ports"] == [
+        {"name": "metrics", "protocol": "TCP", "port": 9191, "targetPort": "metrics"}
+    ]
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert metrics["spec"]["selector"].items() <= pod_labels.items()
+    assert of_kind(docs, "ServiceMonitor") == []
+
+
+def test_metrics_enabled_rolls_the_pod(tmp_path: Path) -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        deployment = one(render(tmp_path, values), "Deployment")
+        return str(deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+
+    assert checksum(with_metrics()) != checksum(public_values())
+
+
+def test_service_monitor_scrapes_every_replica_through_the_metrics_service(
+    tmp_path: Path,
+) -> None:
+    values = replicated(3)
+    values["metrics"] = with_metrics(interval="15s", labels={"release": "kube-prometheus-stack"})[
+        "metrics"
+    ]
+    docs = render(tmp_path, values, private_values())
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "scheme": "http", "interval": "15s"}
+    ]
+
+    # The selector picks the metrics Service, and only it, by its labels.
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    by_ports = services(docs)
+    assert selector <= by_ports["metrics"]["metadata"]["labels"].items()
+    assert not selector <= by_ports["https"]["metadata"]["labels"].items()
+    # That Service has the endpoint's port and selects the pods of every replica.
+    assert [port["name"] for port in by_ports["metrics"]["spec"]["ports"]] == ["metrics"]
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert by_ports["metrics"]["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_service_monitor_labels_are_strings(tmp_path: Path) -> None:
+    values = with_metrics(labels={"team": "ml", "tier": 1})
+    labels = one(render(tmp_path, values), "ServiceMonitor")["metadata"]["labels"]
+    assert (labels["team"], labels["tier"]) == ("ml", "1")
+    assert labels["app.kubernetes.io/instance"] == "test"
+
+
+def test_own_metrics_listener_without_the_chart_is_kept(tmp_path: Path) -> None:
+    """config.metrics.listen set by hand (say on loopback for a sidecar) passes unchanged; the
+    chart adds no port or Service for it."""
+    docs = render(tmp_path, own_metrics_listener())
+    assert yaml.safe_load(configmap_text(docs))["config"]["metrics"] == {"listen": "127.0.0.1:9100"}
+    assert list(services(docs)) == ["https"]
+
+
+def own_metrics_listener() -> dict[str, Any]:
+    values = public_values()
+    values["config"]["metrics"] = {"listen": "127.0.0.1:9100"}
+    return values
+
+
+@pytest.mark.parametrize(
+    ("values", "listen"),
+    [(with_metrics(9191), "0.0.0.0:9191"), (own_metrics_listener(), "127.0.0.1:9100")],
+    ids=["chart", "own"],
+)
+def test_the_controlplane_loads_the_metrics_listener(
+    tmp_path: Path, values: dict[str, Any], listen: str
+) -> None:
+    if "metrics" not in attrs.fields_dict(ControlConfig):
+        pytest.skip("control/config.py has no config.metrics yet")
+    loaded = attrs.asdict(load_rendered(tmp_path, render(tmp_path, values, private_values())))
+    assert loaded["metrics"]["listen"] == listen
+
+
+def test_service_monitor_without_metrics_is_refused(tmp_path: Path) -> None:
+    values = public_values()
+    values["metrics"] = {"serviceMonitor": {"enabled": True}}
+    stderr = refused(tmp_path, values)
+    assert "metrics.serviceMonitor.enabled is true but metrics.enabled is not" in stderr
+    assert "set metrics.enabled: true as well, or metrics.serviceMonitor.enabled: false" in stderr
+
+
+def metrics_refusals() -> list[tuple[str, dict[str, Any], str]]:
+    both = with_metrics()
+    both["config"]["metrics"] = {"listen": "0.0.0.0:9100"}
+    return [
+        (
+            "listen-twice",
+            both,
+            'metrics.enabled and config.metrics.listen ("0.0.0.0:9100") are both set; keep one',
+        ),
+        (
+            "https-port",
+            with_metrics(8443),
+            "metrics.port: 8443 is config.listen's port too (0.0.0.0:8443)",
+        ),
+        ("port-zero", with_metrics(0), "metrics.port: 0 must be a port number, 1 to 65535"),
+        ("port-high", with_metrics(70000), "metrics.port: 70000 must be a port number"),
+        (
+            "interval",
+            with_metrics(interval="half a minute"),
+            'metrics.serviceMonitor.interval: "half a minute" must be a Prometheus duration',
+        ),
+        (
+            "labels",
+            with_metrics(labels=["release=prometheus"]),
+            "metrics.serviceMonitor.labels: must be a mapping",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [(values, message) for _, values, message in metrics_refusals()],
+    ids=[name for name, _, _ in metrics_refusals()],
+)
+def test_metrics_values_are_checked(tmp_path: Path, values: dict[str, Any], message: str) -> None:
+    assert message in refused(tmp_path, values)
+
+
 # --- RBAC --------------------------------------------------------------------------------------
 
 
@@ -688,12 +868,19 @@ def test_service_source_ranges_and_annotations(tmp_path: Path) -> None:
     }
 
 
-@pytest.mark.parametrize("with_values", [True, False], ids=["operator-values", "chart-defaults"])
-def test_helm_lint_passes(tmp_path: Path, with_values: bool) -> None:
+@pytest.mark.parametrize(
+    "with_values",
+    ["operator", "metrics", None],
+    ids=["operator-values", "metrics", "chart-defaults"],
+)
+def test_helm_lint_passes(tmp_path: Path, with_values: str | None) -> None:
     argv = [str(HELM), "lint", "--strict", str(CHART)]
     if with_values:
+        data = public_values(gke_pool(), in_cluster_pool())
+        if with_values == "metrics":
+            data["metrics"] = with_metrics(labels={"release": "prometheus"})["metrics"]
         values = tmp_path / "values.yaml"
-        values.write_text(yaml.safe_dump(public_values(gke_pool(), in_cluster_pool())))
+        values.write_text(yaml.safe_dump(data))
         argv += ["-f", str(values)]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -203,3 +203,19 @@ async def test_the_controlplane_refuses_a_box_port_the_task_did_not_declare() ->
     stream = await dial("t-1", 8080, "ws:team")
     await stream.aclose()
     assert dispatcher.asked == [("t-1", 8080)]
+
+
+def test_a_pool_with_agent_metrics_gives_its_workers_the_listener() -> None:
+    base = PoolSettings(name="p", namespace="ns", image="img", tunnel=True)
+    name = job_name("p", "n1", 0)
+    for settings, expected in (
+        (base, None),
+        (attrs.evolve(base, metrics_port=9400), ("127.0.0.1", 9400)),
+    ):
+        manifests = job_manifest(
+            settings, "n1", 1, name, token_secret_name(name), "https://cp", token="s3cret"
+        )
+        env_list = manifests.job["spec"]["template"]["spec"]["containers"][0]["env"]
+        rendered = {e["name"]: e["value"] for e in env_list if "value" in e}
+        metrics = load_config({**rendered, "LEVERS9_WORKER_TOKEN": "s3cret"}).metrics
+        assert (None if metrics is None else (metrics.host, metrics.port)) == expected

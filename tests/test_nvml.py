@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from nvml import Link, NvmlUnavailableError, open_nvml
+from nvml import (
+    DeviceUnresponsiveError,
+    Link,
+    NvmlUnavailableError,
+    Readings,
+    XidEvent,
+    open_nvml,
+)
 from nvml.standin import (
     StandinNode,
     StandinProcess,
@@ -118,6 +125,92 @@ def test_drivers_without_the_versioned_memory_call(describe_node: DescribeNode) 
     with open_nvml() as nvml:
         device = nvml.device(0)
     assert (device.memory_total_bytes, device.memory_used_bytes) == (80 << 30, 1 << 30)
+
+
+def test_readings_as_the_cards_report_them(describe_node: DescribeNode) -> None:
+    describe_node(
+        nvlinked_node(
+            2,
+            {
+                0: {
+                    "utilization_gpu_percent": 87,
+                    "utilization_memory_percent": 41,
+                    "memory_used_bytes": 7 << 30,
+                    "temperature_celsius": 71,
+                    "power_usage_mw": 312_500,
+                    "ecc_corrected_volatile": 5,
+                    "ecc_uncorrected_volatile": 1,
+                },
+            },
+        )
+    )
+    with open_nvml() as nvml:
+        busy, idle = nvml.readings(0), nvml.readings(1)
+    assert busy == Readings(
+        utilization_gpu_percent=87,
+        utilization_memory_percent=41,
+        memory_used_bytes=7 << 30,
+        memory_total_bytes=80 << 30,
+        temperature_celsius=71,
+        power_watts=312.5,  # NVML says milliwatts
+        ecc_corrected_volatile=5,
+        ecc_uncorrected_volatile=1,
+    )
+    assert (idle.utilization_gpu_percent, idle.temperature_celsius, idle.power_watts) == (0, 33, 61)
+
+
+def test_readings_a_card_cannot_give_are_unknown_not_zero(describe_node: DescribeNode) -> None:
+    describe_node(
+        nvlinked_node(
+            1,
+            {
+                0: {
+                    "utilization_supported": False,
+                    "temperature_celsius": None,
+                    "power_usage_mw": None,
+                    "ecc_uncorrected_volatile": None,
+                }
+            },
+        )
+    )
+    with open_nvml() as nvml:
+        readings = nvml.readings(0)
+    assert readings == Readings(memory_used_bytes=0, memory_total_bytes=80 << 30)
+
+
+def test_temperature_from_drivers_without_the_versioned_call(describe_node: DescribeNode) -> None:
+    old = {"errors": {"nvmlDeviceGetTemperatureV": "FUNCTION_NOT_FOUND"}}
+    describe_node(nvlinked_node(1, {0: {**old, "temperature_celsius": 58}}))
+    with open_nvml() as nvml:
+        assert nvml.readings(0).temperature_celsius == 58
+
+
+def test_readings_of_a_card_that_stops_answering(describe_node: DescribeNode) -> None:
+    describe_node(nvlinked_node(2, {1: {"errors": {"nvmlDeviceGetPowerUsage": "GPU_IS_LOST"}}}))
+    with open_nvml() as nvml:
+        assert nvml.readings(0).power_watts == 61
+        with pytest.raises(DeviceUnresponsiveError, match="GPU is lost"):
+            nvml.readings(1)
+
+
+def test_an_xid_listener_hears_each_xid_once(describe_node: DescribeNode) -> None:
+    describe_node(
+        nvlinked_node(
+            4,
+            {
+                1: {"xids": (79, 13)},
+                2: {"xid_events_supported": False, "xids": (48,)},
+                3: {"errors": {"nvmlDeviceRegisterEvents": "UNKNOWN"}, "xids": (48,)},
+            },
+        )
+    )
+    uuid = [standin_device(i).uuid for i in range(4)]
+    with open_nvml() as nvml, nvml.listen_for_xids() as listener:
+        # Cards without XID events, or refusing the registration, are not heard.
+        assert listener.listening == {uuid[0], uuid[1]}
+        heard = listener.wait(0)
+        assert listener.wait(0) == ()  # delivered once, not again at the next wait
+    assert heard == (XidEvent(uuid=uuid[1], xid=79), XidEvent(uuid=uuid[1], xid=13))
 
 
 def test_cards_that_stop_answering(describe_node: DescribeNode) -> None:

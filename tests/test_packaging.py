@@ -19,7 +19,14 @@ def test_the_wheel_ships_the_simulator_and_its_data_but_not_the_tests(tmp_path: 
         REPO,
         source,
         ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", "bench-results"
+            ".git",
+            ".venv",
+            "build",
+            "*.egg-info",
+            "__pycache__",
+            ".*_cache",
+            "bench-results",
+            "test-artifacts",
         ),
     )
     subprocess.run(
@@ -48,6 +55,10 @@ def test_the_wheel_ships_the_simulator_and_its_data_but_not_the_tests(tmp_path: 
         "agent/runtime/shim/levers9-shim.c",
         "nvml/standin/libnvidia-ml.c",
         "control/cli/__main__.py",
+        "control/ui/static/app.js",
+        "control/ui/static/app.css",
+        "control/ui/static/app.html",
+        "control/ui/static/signin.html",
     ):
         assert wanted in names, wanted
     assert not [name for name in names if name.startswith(("tests/", "bench/"))]

@@ -189,6 +189,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("reconcile seconds zero", {"reconcileSeconds": 0}, f"{K}.reconcileSeconds"),
     ("qps zero", {"qps": 0}, f"{K}.qps"),
     ("burst zero", {"burst": 0}, f"{K}.burst"),
+    ("agent metrics port too big", {"agentMetricsPort": 70000}, f"{K}.agentMetricsPort"),
     ("bad toleration", {"tolerations": [{"operator": "Maybe"}]}, f"{K}.tolerations[0].operator"),
     (
         "bad selector operator",

@@ -259,6 +259,8 @@ def test_a_refused_floor_fails_even_outside_the_worker_environment(tmp_path: Pat
         {"LEVERS9_CONTAINERS": "maybe"},
         {"LEVERS9_STATE_DIR": "relative/dir"},
         {"LEVERS9_LOG_MAX_BYTES": "big"},
+        {"LEVERS9_METRICS_PORT": "metrics"},
+        {"LEVERS9_METRICS_HOST": "0.0.0.0"},
     ],
 )
 def test_the_self_check_refuses_what_run_refuses_in_the_same_words(

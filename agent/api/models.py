@@ -74,6 +74,11 @@ class WorkerSummary:
     cards: int = 0
     replica: str | None = None
     """The controlplane replica that holds the worker (its tunnel, or its claim)."""
+    connected_at: float | None = None
+    """Since when the answering replica's tunnel or direct connection to it is open."""
+    rtt_ms: float | None = None
+    """That connection's last keepalive round trip."""
+    card_model: str | None = None
 
 
 @attrs.frozen

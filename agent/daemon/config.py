@@ -14,7 +14,9 @@ so callers tell "not the worker's environment" from "a wrong value" without read
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -58,6 +60,22 @@ class TunnelConfig:
 
 
 @attrs.frozen
+class MetricsConfig:
+    """The agent's `/metrics` listener for Prometheus (plain HTTP; `agent.daemon.metrics`)."""
+
+    port: int
+    """LEVERS9_METRICS_PORT; 0 (only in tests) picks a free one."""
+    host: str = "127.0.0.1"
+    """LEVERS9_METRICS_HOST: loopback unless the scrape comes from elsewhere."""
+    read_timeout_s: float = 10.0
+    """A scrape's time to send its request, and again to take the answer."""
+    sample_wait_s: float = 5.0
+    """How long a scrape waits for fresh card readings before it reports the last ones."""
+    bind_retry_s: float = 5.0
+    """How often to try the port again while another process holds it."""
+
+
+@attrs.frozen
 class AgentConfig:
     worker_id: str
     token: str = attrs.field(repr=False)
@@ -89,6 +107,8 @@ class AgentConfig:
     loopback_connect: bool = False
     """Plain CONNECT to the worker's loopback addresses (LEVERS9_LOOPBACK_CONNECT=on); off,
     only containers' declared ports: with hostNetwork the loopback is the node's."""
+    metrics: MetricsConfig | None = None
+    """The `/metrics` listener; None (LEVERS9_METRICS_PORT unset, the default): none."""
 
     @property
     def controlplane_host(self) -> str:
@@ -195,6 +215,47 @@ def _is_https_url(url: str) -> bool:
     return parts.scheme == "https" and bool(parts.hostname)
 
 
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _is_host(text: str) -> bool:
+    """An IP address or a DNS name a listener can be bound to."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return len(text) <= 253 and _HOSTNAME.fullmatch(text) is not None
+    return True
+
+
+def load_metrics_config(env: Mapping[str, str]) -> MetricsConfig | None:
+    """The `/metrics` listener: on when LEVERS9_METRICS_PORT is set, on LEVERS9_METRICS_HOST
+    (loopback by default)."""
+    raw_port = env.get(ENV_PREFIX + "METRICS_PORT") or ""
+    host = env.get(ENV_PREFIX + "METRICS_HOST") or ""
+    if not raw_port:
+        if host:
+            raise ConfigError(
+                ENV_PREFIX + "METRICS_HOST",
+                f"{ENV_PREFIX}METRICS_HOST is set but {ENV_PREFIX}METRICS_PORT is not; set the "
+                "port to serve /metrics, or unset the host",
+            )
+        return None
+    if not re.fullmatch(r"[0-9]{1,5}", raw_port) or not 1 <= int(raw_port) <= 65535:
+        raise ConfigError(
+            ENV_PREFIX + "METRICS_PORT",
+            f"{ENV_PREFIX}METRICS_PORT must be a TCP port, 1 to 65535, not {raw_port!r}; unset "
+            "it to serve no /metrics",
+        )
+    host = host.strip("[]") or MetricsConfig(port=0).host
+    if not _is_host(host):
+        raise ConfigError(
+            ENV_PREFIX + "METRICS_HOST",
+            f"{ENV_PREFIX}METRICS_HOST must be an IP address or a host name to listen on (e.g. "
+            f"127.0.0.1 or 0.0.0.0), not {host!r}",
+        )
+    return MetricsConfig(port=int(raw_port), host=host)
+
+
 def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
     switch = env.get(ENV_PREFIX + "CONTAINERS", "on").lower()
     if switch not in ("on", "off"):
@@ -293,4 +354,5 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
         containers=load_container_config(env),
         idle_s=_number(env, "IDLE_S", 0.0) if env.get(ENV_PREFIX + "IDLE_S") else None,
         loopback_connect=_on_off(env, "LOOPBACK_CONNECT", False),
+        metrics=load_metrics_config(env),
     )

@@ -10,6 +10,9 @@ Tunnel upkeep lives here too: reconnect with capped, jittered exponential backof
 a stable period; a maximum tunnel age, or a GOAWAY from the controlplane (a replica stopping),
 after which the next tunnel is opened first and the old one drained, so requests in flight
 finish and new ones take the new tunnel.
+
+With LEVERS9_METRICS_PORT set, a `/metrics` listener for Prometheus (`agent.daemon.metrics`)
+runs beside the service in the same nursery, in either mode.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import trio
 from agent.api.models import CardInfo
 from agent.daemon.config import AgentConfig
 from agent.daemon.direct import serve_direct
+from agent.daemon.metrics import serve_agent_metrics
 from agent.daemon.register import (
     cert_hosts,
     deregister_once,
@@ -101,6 +105,17 @@ async def _serve(
             )
         service = build_service(config, state, manager)
         async with trio.open_nursery() as nursery:
+            if config.metrics is not None:
+                await nursery.start(
+                    functools.partial(
+                        serve_agent_metrics,
+                        config.metrics,
+                        worker=config.worker_id,
+                        mode=config.mode,
+                        claim=None if claim is None else state.cards,
+                        manager=manager,
+                    )
+                )
             if manager is not None and config.idle_s is not None:
                 nursery.start_soon(
                     _exit_when_idle, config, manager, config.idle_s, nursery.cancel_scope

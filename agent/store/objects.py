@@ -85,6 +85,9 @@ class StoreStatistics:
     pinned: int
     budget_bytes: int
     free_bytes: int
+    evicted_objects: int = 0
+    """Objects this store evicted since it was opened (a counter: it only grows)."""
+    evicted_bytes: int = 0
 
 
 @attrs.frozen
@@ -385,6 +388,8 @@ class ObjectStore:
         self._inflight: dict[str, trio.Event] = {}
         self._evict_lock = trio.Lock()
         self._last_use_ns = 0
+        self._evicted_objects = 0
+        self._evicted_bytes = 0
         self._buffers: list[bytearray] = []
         self._ingest_slots = trio.CapacityLimiter(MAX_CONCURRENT_INGESTS)
         try:
@@ -823,13 +828,16 @@ class ObjectStore:
             gone = set(evicted)
             self._index = {d: e for d, e in by_digest.items() if d not in gone}
         if evicted:
+            evicted_bytes = sum(by_digest[d].size for d in evicted)
+            self._evicted_objects += len(evicted)
+            self._evicted_bytes += evicted_bytes
             log.info(
                 "evicted %d object(s), %d bytes",
                 len(evicted),
-                sum(by_digest[d].size for d in evicted),
+                evicted_bytes,
                 extra={
                     "evicted": len(evicted),
-                    "evicted_bytes": sum(by_digest[d].size for d in evicted),
+                    "evicted_bytes": evicted_bytes,
                     "digests": ",".join(evicted),
                 },
             )
@@ -878,6 +886,8 @@ class ObjectStore:
             pinned=len(self._pins),
             budget_bytes=self.budget_bytes,
             free_bytes=free,
+            evicted_objects=self._evicted_objects,
+            evicted_bytes=self._evicted_bytes,
         )
 
     def close(self) -> None:

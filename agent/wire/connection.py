@@ -452,6 +452,11 @@ class Http2Connection:
         self._ping_ids = itertools.count(1)
         self._pings: dict[bytes, float] = {}
         self._last_rtt: float | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        """Bytes written to and read from the transport (frames and all), for metrics."""
+        self.on_rtt: Callable[[float], None] | None = None
+        """Told each keepalive PING's round trip, in seconds (metrics)."""
         self._settings_acked = trio.Event()
         self._handler_nursery: trio.Nursery | None = None
         self._idle_lot = trio.lowlevel.ParkingLot()
@@ -511,6 +516,7 @@ class Http2Connection:
                 self._mark_closed("peer closed the connection")
                 return
             self._last_receive = trio.current_time()
+            self.bytes_received += len(data)
             try:
                 events = self._proto.receive_data(data, trio.current_time())
             except ProtocolViolation as exc:
@@ -586,6 +592,8 @@ class Http2Connection:
             sent = self._pings.pop(event.ping_data or b"", None)
             if sent is not None:
                 self._last_rtt = trio.current_time() - sent
+                if self.on_rtt is not None:
+                    self.on_rtt(self._last_rtt)
                 self._ping_lot.unpark_all()
         elif isinstance(event, h2.events.ConnectionTerminated):
             self._on_goaway(event)
@@ -750,6 +758,7 @@ class Http2Connection:
                 if not data:
                     await trio.lowlevel.checkpoint()
                     return
+                self.bytes_sent += len(data)
                 with trio.CancelScope(shield=True):
                     with trio.move_on_after(self._write_timeout_s) as timer:
                         try:

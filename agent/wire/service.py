@@ -75,7 +75,17 @@ class StreamResponse:
     headers: Sequence[tuple[str, str]] = ()
 
 
-Response = JsonResponse | StreamResponse
+@attrs.frozen
+class BytesResponse:
+    """A whole body known up front, with its type and headers (pages, static files)."""
+
+    body: bytes
+    content_type: str
+    status: int = 200
+    headers: Sequence[tuple[str, str]] = ()
+
+
+Response = JsonResponse | StreamResponse | BytesResponse
 Authenticator = Callable[[dict[str, str]], str | None]
 """Returns who made the request (a principal name) from its headers, or None to refuse it."""
 
@@ -102,6 +112,11 @@ def bearer_token(headers: dict[str, str]) -> str | None:
 Handler = Callable[[Request], Awaitable[Response | Any]]
 WebSocketHandler = Callable[[Request, H2WebSocket], Awaitable[None]]
 Dialer = Callable[[str, int, str], Awaitable[trio.abc.HalfCloseableStream]]
+Observer = Callable[[str, str, int, float], None]
+"""Told of every request once it is answered: (method, route pattern, status, seconds). The
+route is the pattern (`/v1/tasks/{id}`), never the path, so what counts requests stays
+bounded; `CONNECT` for a plain CONNECT and `unmatched` before any route was found."""
+UNMATCHED = "unmatched"
 
 
 @attrs.frozen
@@ -109,6 +124,9 @@ class _Route:
     method: str
     parts: tuple[str, ...]
     handler: Any
+    pattern: str = ""
+    public: bool = False
+    """Served without credentials (the dashboard's sign-in page and static files)."""
 
     def match(self, parts: Sequence[str]) -> dict[str, str] | None:
         params: dict[str, str] = {}
@@ -143,11 +161,12 @@ class Router:
     def __init__(self) -> None:
         self._routes: list[_Route] = []
 
-    def add(self, method: str, pattern: str, handler: Handler) -> None:
-        self._routes.append(_Route(method.upper(), _split(pattern), handler))
+    def add(self, method: str, pattern: str, handler: Handler, *, public: bool = False) -> None:
+        """`public`: the route runs for a caller without credentials too (principal "")."""
+        self._routes.append(_Route(method.upper(), _split(pattern), handler, pattern, public))
 
     def add_websocket(self, pattern: str, handler: WebSocketHandler) -> None:
-        self._routes.append(_Route("WEBSOCKET", _split(pattern), handler))
+        self._routes.append(_Route("WEBSOCKET", _split(pattern), handler, pattern))
 
     def route(self, method: str, pattern: str) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
@@ -157,6 +176,11 @@ class Router:
         return register
 
     def resolve(self, method: str, path: str) -> tuple[Any, dict[str, str]]:
+        route, params = self.find(method, path)
+        return route.handler, params
+
+    def find(self, method: str, path: str) -> tuple[_Route, dict[str, str]]:
+        """The route serving `method path` and its params, or NOT_FOUND / the methods allowed."""
         parts = _split(path)
         allowed: list[str] = []
         for route in self._routes:
@@ -164,7 +188,7 @@ class Router:
             if params is None:
                 continue
             if route.method == method:
-                return route.handler, params
+                return route, params
             allowed.append(route.method)
         if allowed:
             raise ApiError(
@@ -253,7 +277,14 @@ def _is_address(host: str) -> bool:
 
 
 def _decode(headers: Headers) -> dict[str, str]:
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+    out: dict[str, str] = {}
+    for k, v in headers:
+        key, value = k.decode("latin-1"), v.decode("latin-1")
+        if key == "cookie" and key in out:
+            # HTTP/2 may split the cookie header into crumbs (RFC 9113 8.2.3): one again.
+            value = f"{out[key]}; {value}"
+        out[key] = value
+    return out
 
 
 def _date() -> bytes:
@@ -281,6 +312,7 @@ class Service:
         resolve_name: Callable[[str, int], str] | None = None,
         dial: Dialer | None = None,
         name: str = "worker",
+        observe: Observer | None = None,
     ) -> None:
         self.router = router
         self.authenticate = authenticate
@@ -292,6 +324,7 @@ class Service:
         """Plain CONNECT served by the caller: (host, port, principal) → the stream to splice
         with (the controlplane reaches a task's port through its worker)."""
         self.name = name
+        self.observe = observe
 
     async def __call__(self, stream: H2Stream) -> None:
         started = time.monotonic()
@@ -300,8 +333,9 @@ class Service:
         raw_path = headers.get(":path", "")
         path, _, query = raw_path.partition("?")
         status = 0
+        routed = [UNMATCHED]
         try:
-            status = await self._handle(stream, headers, method, path, query)
+            status = await self._handle(stream, headers, method, path, query, routed)
         except ApiError as exc:
             status = exc.code.status
             await self._send_error(stream, exc)
@@ -320,6 +354,9 @@ class Service:
                 stream, ApiError(ErrorCode.INTERNAL, "the worker failed to handle the request")
             )
         finally:
+            duration = time.monotonic() - started
+            if self.observe is not None:
+                self.observe(method, routed[0], status, duration)
             log.info(
                 "%s %s %s",
                 method,
@@ -330,7 +367,7 @@ class Service:
                     "method": method,
                     "path": path or headers.get(":authority", ""),
                     "status": status,
-                    "duration_s": round(time.monotonic() - started, 4),
+                    "duration_s": round(duration, 4),
                 },
             )
 
@@ -345,13 +382,20 @@ class Service:
             pass
 
     async def _handle(
-        self, stream: H2Stream, headers: dict[str, str], method: str, path: str, query: str
+        self,
+        stream: H2Stream,
+        headers: dict[str, str],
+        method: str,
+        path: str,
+        query: str,
+        routed: list[str],
     ) -> int:
         principal = self.authenticate(headers)
         if principal is None:
-            raise ApiError(ErrorCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            principal = self._anonymous(method, path)
         protocol = headers.get(":protocol")
         if method == "CONNECT" and protocol is None:
+            routed[0] = "CONNECT"
             return await self._connect(stream, headers.get(":authority", ""), principal)
         if method == "CONNECT":
             if protocol != "websocket":
@@ -360,7 +404,9 @@ class Service:
                     f"extended CONNECT protocol {protocol!r} is not supported; use 'websocket'",
                     field=":protocol",
                 )
-            handler, params = self.router.resolve("WEBSOCKET", path)
+            route, params = self.router.find("WEBSOCKET", path)
+            routed[0] = route.pattern
+            handler = route.handler
             request = self._request(stream, headers, "WEBSOCKET", path, query, params, principal)
             await stream.send_headers([(b":status", b"200")])
             ws = H2WebSocket(H2ByteStream(stream), client_side=False)
@@ -369,14 +415,27 @@ class Service:
             finally:
                 await ws.aclose()
             return 200
-        handler, params = self.router.resolve(method, path)
+        route, params = self.router.find(method, path)
+        routed[0] = route.pattern
         request = self._request(stream, headers, method, path, query, params, principal)
-        result = await handler(request)
+        result = await route.handler(request)
         response = (
-            result if isinstance(result, JsonResponse | StreamResponse) else (JsonResponse(result))
+            result
+            if isinstance(result, JsonResponse | StreamResponse | BytesResponse)
+            else (JsonResponse(result))
         )
         await self._respond(stream, response)
         return response.status
+
+    def _anonymous(self, method: str, path: str) -> str:
+        """A caller without credentials reaches public routes only (principal ""); anything
+        else, an unknown path included, is UNAUTHENTICATED."""
+        if method != "CONNECT":
+            with contextlib.suppress(ApiError):
+                route, _ = self.router.find(method, path)
+                if route.public:
+                    return ""
+        raise ApiError(ErrorCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
     def _request(
         self,
@@ -412,6 +471,17 @@ class Service:
                 ]
             )
             await stream.send_data(body, end_stream=True)
+            return
+        if isinstance(response, BytesResponse):
+            whole: Headers = [
+                (b":status", str(response.status).encode()),
+                (b"date", _date()),
+                (b"content-type", response.content_type.encode()),
+                (b"content-length", str(len(response.body)).encode()),
+            ]
+            whole += [(k.lower().encode(), v.encode()) for k, v in response.headers]
+            await stream.send_headers(whole)
+            await stream.send_data(response.body, end_stream=True)
             return
         head: Headers = [
             (b":status", str(response.status).encode()),

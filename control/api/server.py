@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -37,7 +38,16 @@ from agent.wire.admission import (
 )
 from agent.wire.connection import ConnectionLost, H2Stream, Http2Connection, KeepaliveConfig
 from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import JsonResponse, Request, Router, Service, bearer_token
+from agent.wire.metrics import render as render_metrics
+from agent.wire.metrics import serve_metrics
+from agent.wire.service import (
+    BytesResponse,
+    JsonResponse,
+    Request,
+    Router,
+    Service,
+    bearer_token,
+)
 from agent.wire.tls import TLSStream, fingerprint_of_pem
 from agent.wire.wsstream import WebSocketStream, wrap_server
 from control.api.endpoints import EndpointProxy
@@ -50,6 +60,7 @@ from control.kube.lease import LeaderElector, default_identity, election_setting
 from control.kube.loop import PoolReconciler, PoolStatus
 from control.kube.planner import Machine
 from control.kube.pools import PoolConfig, load_pools
+from control.metrics import ControlMetrics
 from control.models import (
     CardCounts,
     MachineList,
@@ -67,6 +78,8 @@ from control.replicas.directory import Directory
 from control.replicas.forward import Peers, is_forwarded, serve_forwarded
 from control.tasks.databases import open_task_store
 from control.tasks.dispatch import Dispatcher
+from control.ui.pages import add_ui_routes
+from control.ui.session import cookie_allowed, cookie_token, csrf_refusal
 from control.workspaces import Workspaces
 
 REMOVE_POOL_S = 60.0
@@ -139,10 +152,22 @@ class Controlplane:
         """This replica's name in the pools' Leases (`config.leaderElection`) and in the
         directory of replicas."""
         self.replica_secret = replica_secret(config)
+        self.metrics = ControlMetrics(self.identity)
+        registry.on_connection = self.metrics.connection
+        dispatcher.on_placed.append(self.metrics.placed)
         router = self._router()
         dial = add_task_routes(router, dispatcher, self.proxy)
-        self.service = Service(router, authenticate=self._authenticate, dial=dial, name="control")
+        add_ui_routes(router, self._principal_of, title="levers9")
+        self.service = Service(
+            router,
+            authenticate=self._authenticate,
+            dial=dial,
+            name="control",
+            observe=self.metrics.request,
+        )
         self.port = 0
+        self.metrics_port: int | None = None
+        """The plain-HTTP metrics listener's port (`config.metrics.listen`), once it listens."""
         self.limits = connection_limits(config)
         self.admissions = Admissions(self.limits)
         self._early = ConnectionLog()
@@ -153,8 +178,22 @@ class Controlplane:
 
     def _authenticate(self, headers: dict[str, str]) -> str | None:
         token = bearer_token(headers)
-        if token is None:
+        if token is not None:
+            return self._principal_of(token)
+        token = cookie_token(headers)
+        if token is None or not cookie_allowed(headers.get(":method", ""), _request_path(headers)):
             return None
+        principal = self._principal_of(token)
+        if principal is None or not principal.startswith(("api:", WORKSPACE_PREFIX)):
+            return None  # a stale cookie: the dashboard sends the browser to sign in again
+        refused = csrf_refusal(headers, token)
+        if refused is not None:
+            raise ApiError(ErrorCode.PERMISSION_DENIED, refused)
+        return principal
+
+    def _principal_of(self, token: str) -> str | None:
+        """Who a token stands for: `api:NAME` (an operator), `ws:NAME` (a workspace),
+        `worker:ID`, or None."""
         api = None
         for known, name in self._api_tokens.items():
             if hmac.compare_digest(known.encode(), token.encode()):
@@ -314,7 +353,31 @@ class Controlplane:
         router.add("POST", "/v1/workers/{worker_id}/deregister", deregister)
         router.add("GET", "/v1/workers", list_workers)
         router.add("GET", "/v1/workers/{worker_id}", get_worker)
+
+        async def metrics(request: Request) -> BytesResponse:
+            require_api(request)
+            await self.refresh_metrics()
+            body, content_type = render_metrics(
+                self.metrics.registry, request.headers.get("accept", "")
+            )
+            return BytesResponse(body, content_type)
+
+        router.add("GET", "/metrics", metrics)
         return router
+
+    async def refresh_metrics(self) -> None:
+        """Read the states `/metrics` reports (the records' counts first: the rest is in
+        memory)."""
+        counts = await self.dispatcher.store.count_by_state()
+        tunnels = sum(
+            1 for e in self.registry.entries() if e.tunnel is not None and e.tunnel.conn.usable
+        )
+        self.metrics.refresh(
+            counts,
+            machine_list([r.status for r in self.pools]),
+            self.registry.list(),
+            tunnels,
+        )
 
     def pool_views(self) -> list[PoolView]:
         joined = set(self.joined.blocks) if self.joined is not None else set()
@@ -444,6 +507,7 @@ class Controlplane:
             controlplane_url=self.config.public_url,
             extra_env=self.pool_env,
             on_worker_gone=self.dispatcher.worker_gone,
+            on_pass=self.metrics.reconcile_pass,
         )
 
     async def _remove_workers(self, reconciler: PoolReconciler) -> None:
@@ -831,6 +895,10 @@ def _machine_view(machine: Machine) -> MachineView:
     )
 
 
+def _request_path(headers: Mapping[str, str]) -> str:
+    return headers.get(":path", "").partition("?")[0]
+
+
 async def _drain_quietly(conn: Http2Connection) -> None:
     with contextlib.suppress(trio.BrokenResourceError, ConnectionLost):
         await conn.drain()
@@ -934,6 +1002,22 @@ async def serve_controlplane(
         )
         await nursery.start(dispatcher.run)
         await nursery.start(listen)
+        if config.metrics.listen is not None:
+            control.metrics_port = await nursery.start(
+                functools.partial(
+                    serve_metrics,
+                    config.metrics.host,
+                    config.metrics.port,
+                    control.metrics.registry,
+                    refresh=control.refresh_metrics,
+                )
+            )
+            log.info(
+                "metrics at http://%s:%d/metrics",
+                config.metrics.host,
+                control.metrics_port,
+                extra={"host": config.metrics.host, "port": control.metrics_port},
+            )
         log.info(
             "controlplane listening on %s:%d",
             config.listen_host,

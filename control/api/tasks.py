@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -38,6 +39,11 @@ log = logging.getLogger("levers9.tasks")
 WORKSPACE_PREFIX = "ws:"
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 NOT_STARTED_RETRY_S = 0.05
+WATCH_REFRESH_S = 2.0
+"""A watched list or task is read again at least this often: pull progress and waiting
+reasons change without a record changing."""
+WATCH_COALESCE_S = 0.25
+"""After a change, a watch waits this long for the rest of a burst before reading again."""
 
 
 def workspace_of(request_principal: str) -> str:
@@ -106,6 +112,32 @@ def query_limit(raw: str | None) -> int:
     return int(raw)
 
 
+def watched(
+    read: Callable[[], Awaitable[Any]],
+    changed: Callable[[], Awaitable[None]],
+    done: Callable[[Any], bool] = lambda _: False,
+) -> StreamResponse:
+    """`?watch=true`: what `read` returns, as one JSON line now and one more each time it
+    differs, until `done` says the last one sent is final (an ended task) or the caller goes.
+    The dashboard's live views read this; it is the same value a plain GET returns."""
+
+    async def frames() -> AsyncGenerator[bytes, None]:
+        last = b""
+        while True:
+            current = await read()
+            encoded = dumps(current)
+            if encoded != last:
+                last = encoded
+                yield encoded + b"\n"
+            if done(current):
+                return
+            with trio.move_on_after(WATCH_REFRESH_S):
+                await changed()
+            await trio.sleep(WATCH_COALESCE_S)
+
+    return StreamResponse(frames, content_type="application/x-ndjson")
+
+
 def _flag(request: Request, name: str) -> bool:
     raw = request.query.get(name, "false").lower()
     if raw not in ("1", "true", "yes", "0", "false", "no"):
@@ -164,18 +196,33 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
         dispatcher.wake()
         return JsonResponse(dispatcher.view(record), status=201)
 
-    async def list_tasks(request: Request) -> TaskList:
+    async def list_tasks(request: Request) -> TaskList | StreamResponse:
         workspace = workspace_of(request.principal)
-        records = await store.list(
-            workspace,
-            query_states(request.query.get("state")),
-            query_limit(request.query.get("limit")),
-        )
-        return TaskList(tuple(dispatcher.view(r) for r in records))
+        states = query_states(request.query.get("state"))
+        limit = query_limit(request.query.get("limit"))
+        before = request.query.get("before") or None
 
-    async def get(request: Request) -> TaskView:
-        record = await store.get(workspace_of(request.principal), request.params["id"])
-        return dispatcher.view(record)
+        async def page() -> TaskList:
+            records = await store.list(workspace, states, limit + 1, before)
+            views = tuple(dispatcher.view(r) for r in records[:limit])
+            return TaskList(views, next=views[-1].id if len(records) > limit else None)
+
+        if _flag(request, "watch"):
+            await page()  # a wrong cursor is refused before the stream starts
+            return watched(page, dispatcher.wait_changed)
+        return await page()
+
+    async def get(request: Request) -> TaskView | StreamResponse:
+        workspace = workspace_of(request.principal)
+        task_id = request.params["id"]
+
+        async def one() -> TaskView:
+            return dispatcher.view(await store.get(workspace, task_id))
+
+        if _flag(request, "watch"):
+            await one()  # NOT_FOUND before the stream starts
+            return watched(one, dispatcher.wait_changed, lambda view: view.state.terminal)
+        return await one()
 
     async def wait(request: Request) -> TaskView:
         workspace = workspace_of(request.principal)

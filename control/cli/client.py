@@ -75,12 +75,15 @@ class ControlClient(ApiClient):
         return await self._typed("GET", _task_path(task_id), None, TaskView)
 
     async def tasks(
-        self, states: Sequence[TaskState] | None = None, limit: int = 100
+        self, states: Sequence[TaskState] | None = None, limit: int = 100, before: str | None = None
     ) -> tuple[TaskView, ...]:
-        """The workspace's tasks, newest first, optionally only those in `states`."""
+        """The workspace's tasks, newest first, optionally only those in `states`; with
+        `before`, those created before that task (the next page)."""
         query: dict[str, str] = {"limit": str(limit)}
         if states:
             query["state"] = ",".join(TaskState(s).value for s in states)
+        if before:
+            query["before"] = before
         path = "/v1/tasks?" + urllib.parse.urlencode(query, safe=",")
         listing = await self._typed("GET", path, None, TaskList)
         return listing.tasks

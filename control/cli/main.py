@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     tls = tsub.add_parser("list", help="list tasks, newest first")
     tls.add_argument("--state", metavar="S,...", help="only tasks in these states")
     tls.add_argument("--limit", default="100", metavar="N")
+    tls.add_argument("--before", metavar="ID", help="the next page: tasks created before this one")
     tls.add_argument("--json", action="store_true")
     tls.set_defaults(func=task_list)
     tget = tsub.add_parser("get", help="one task's details")

@@ -133,7 +133,7 @@ async def task_list(args: argparse.Namespace) -> None:
     states = parse_states(args.state) if args.state else None
     limit = parse_count(args.limit, "--limit", minimum=1)
     async with client_from_args(args) as client:
-        tasks = await timed(client.tasks(states, limit))
+        tasks = await timed(client.tasks(states, limit, args.before))
     now = time.time()
     show_list(args.json, tasks, TASK_HEADERS, lambda t: task_row(t, now))
 

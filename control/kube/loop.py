@@ -91,6 +91,8 @@ def settings_of(pool: PoolConfig) -> PoolSettings:
         driver_path=kube.driver_path,
         idle_minutes=kube.idle_minutes,
         reconcile_seconds=kube.reconcile_seconds,
+        metrics_port=kube.agent_metrics_port,
+        metrics_host=kube.agent_metrics_host,
     )
 
 
@@ -164,6 +166,7 @@ class PoolReconciler:
         extra_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.time,
         on_worker_gone: Callable[[str, str], Awaitable[None]] | None = None,
+        on_pass: Callable[[str, float, bool], None] | None = None,
     ) -> None:
         self.settings = settings_of(pool)
         self.kube: KubeApi = cluster.api
@@ -174,6 +177,8 @@ class PoolReconciler:
         self.clock = clock
         self.records: dict[str, WorkerRecord] = {}
         self.on_worker_gone = on_worker_gone
+        self.on_pass = on_pass
+        """Told of each pass once it ends: (pool, seconds, whether it succeeded) (metrics)."""
         self._gone: set[str] = set()
         self.status = PoolStatus(pool=pool.name)
         self.passes = trio.lowlevel.ParkingLot()
@@ -290,6 +295,8 @@ class PoolReconciler:
             else:
                 log.debug("reconcile failed again: %s", exc.message, extra=fields)
             self.status = attrs.evolve(self.status, error=exc.message, passed_at=self.clock())
+            if self.on_pass is not None:
+                self.on_pass(name, time.monotonic() - started, False)
             self.passes.unpark_all()
             return None
         if self._logged_error is not None:
@@ -317,6 +324,8 @@ class PoolReconciler:
                 "duration_s": round(time.monotonic() - started, 3),
             },
         )
+        if self.on_pass is not None:
+            self.on_pass(name, time.monotonic() - started, True)
         self.passes.unpark_all()
         return plan
 

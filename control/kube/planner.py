@@ -343,6 +343,9 @@ class PoolSettings:
     driver_path: str = "/home/kubernetes/bin/nvidia"
     idle_minutes: float = 5.0
     reconcile_seconds: float = 15.0
+    metrics_port: int | None = None
+    """The agent's `/metrics` listener (LEVERS9_METRICS_PORT/HOST); None: off."""
+    metrics_host: str = "127.0.0.1"
     ttl_seconds_after_finished: int = 600
     not_ready_grace_s: float = 300.0
     """As long as Kubernetes' own pods tolerate `node.kubernetes.io/not-ready` by default."""
@@ -879,6 +882,11 @@ def job_manifest(
             "valueFrom": {"secretKeyRef": {"name": token_secret_name, "key": TOKEN_KEY}},
         },
     ]
+    if settings.metrics_port is not None:
+        env += [
+            {"name": "LEVERS9_METRICS_PORT", "value": str(settings.metrics_port)},
+            {"name": "LEVERS9_METRICS_HOST", "value": settings.metrics_host},
+        ]
     env += [{"name": key, "value": value} for key, value in sorted((extra_env or {}).items())]
     mounts = [
         ("objects", settings.objects_path, "DirectoryOrCreate"),

@@ -221,6 +221,11 @@ class KubernetesPool:
     qps: float = DEFAULT_QPS
     """Requests per second to this cluster's API server, on average (`burst` at once)."""
     burst: int = DEFAULT_BURST
+    agent_metrics_port: int | None = None
+    """The workers' own `/metrics` listener (plain HTTP, no token): off unless set. With
+    hostNetwork it listens on the node, so `agentMetricsHost` stays loopback (a node-local
+    scraper) unless the operator opens it."""
+    agent_metrics_host: str = "127.0.0.1"
     in_cluster: bool = False
     """The controlplane's own cluster, reached with its pod's ServiceAccount: endpoint, CA and
     credentialsFile are filled in from the pod when the block is loaded."""
@@ -492,6 +497,10 @@ def _validate(pool: PoolConfig, where: str) -> list[str]:
         raise ConfigError(f"{kw}.qps: must be a number more than 0, not {kube.qps}")
     if kube.burst < 1:
         raise ConfigError(f"{kw}.burst: must be 1 or more, not {kube.burst}")
+    if kube.agent_metrics_port is not None and not 0 < kube.agent_metrics_port < 65536:
+        raise ConfigError(
+            f"{kw}.agentMetricsPort: must be a port 1-65535, not {kube.agent_metrics_port}"
+        )
     for i, tol in enumerate(kube.tolerations):
         if tol.operator not in ("Equal", "Exists"):
             raise ConfigError(

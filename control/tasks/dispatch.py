@@ -190,6 +190,8 @@ class Dispatcher:
         self._nursery: trio.Nursery | None = None
         self.on_ended: list[Callable[[str], Awaitable[object]]] = []
         """Called with a task's id once its watcher is done (its container is gone)."""
+        self.on_placed: list[Callable[[TaskRecord], None]] = []
+        """Called with each task this replica placed on a worker, as placed (metrics)."""
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -415,6 +417,8 @@ class Dispatcher:
                     workspace=record.workspace,
                 ),
             )
+            for placed_hook in self.on_placed:
+                placed_hook(started)
             assert self._nursery is not None
             self._nursery.start_soon(self._watch, started, False)
         if plan.assignments:
@@ -458,6 +462,7 @@ class Dispatcher:
     def view(self, record: TaskRecord) -> TaskView:
         spec = record.spec
         status = self.progress.get(record.id)
+        entry = self.registry.entry(record.worker) if record.worker is not None else None
         return TaskView(
             id=record.id,
             workspace=record.workspace,
@@ -483,6 +488,7 @@ class Dispatcher:
             waiting=self.waiting.get(record.id) if record.state is TaskState.PENDING else None,
             pull=status.pull if status is not None else None,
             container_state=status.state if status is not None else None,
+            card_model=entry.card_model if entry is not None and record.cards else None,
         )
 
     async def cancel(self, workspace: str, task_id: str) -> TaskRecord:

@@ -474,9 +474,15 @@ class TaskStore:
         return await self._run(select)
 
     async def list(
-        self, workspace: str, states: Iterable[TaskState] | None = None, limit: int = 100
+        self,
+        workspace: str,
+        states: Iterable[TaskState] | None = None,
+        limit: int = 100,
+        before: str | None = None,
     ) -> tuple[TaskRecord, ...]:
-        """The workspace's tasks, newest first, at most `limit`."""
+        """The workspace's tasks, newest first, at most `limit`; with `before` (a task id, the
+        last of the previous page) those created before it, so pages never overlap or skip
+        one however many tasks arrive meanwhile."""
         if limit < 1:
             raise _invalid("limit", f"is {limit}; give 1 or more")
         wanted = None if states is None else [s.value for s in states]
@@ -484,6 +490,19 @@ class TaskStore:
         def select(tx: Tx) -> tuple[TaskRecord, ...]:
             sql = f"SELECT {COLUMNS} FROM tasks WHERE workspace=?"
             params: list[Any] = [workspace]
+            if before is not None:
+                row = tx.execute(
+                    "SELECT seq FROM tasks WHERE workspace=? AND id=?", (workspace, before)
+                ).fetchone()
+                if row is None:
+                    raise TaskStoreError(
+                        ErrorCode.INVALID_ARGUMENT,
+                        f"query 'before': no task {before!r} in workspace {workspace}; "
+                        "use the last id of the page before",
+                        field="before",
+                    )
+                sql += " AND seq < ?"
+                params.append(row[0])
             if wanted is not None:
                 sql += f" AND state IN ({','.join('?' * len(wanted))})"
                 params += wanted
@@ -492,6 +511,15 @@ class TaskStore:
             return _records(tx.execute(sql, params))
 
         return await self._run(select)
+
+    async def count_by_state(self) -> dict[tuple[str, TaskState], int]:
+        """How many tasks each workspace has in each state (what `/metrics` reports)."""
+
+        def count(tx: Tx) -> dict[tuple[str, TaskState], int]:
+            rows = tx.execute("SELECT workspace, state, COUNT(*) FROM tasks GROUP BY 1, 2", ())
+            return {(str(w), TaskState(st)): int(n) for w, st, n in rows}
+
+        return await self._run(count)
 
     async def apply(self, workspace: str, task_id: str, event: TaskEvent) -> TaskRecord:
         """Move the task by `event` and persist it, compare-and-set on its row version."""

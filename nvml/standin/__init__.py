@@ -4,9 +4,10 @@ Why: the agent's GPU code should run in tests exactly as it runs on a GPU node, 
 So instead of replacing the facade with a fake, tests replace the driver's library: the C file
 beside this module is compiled with gcc against NVIDIA's own `nvml.h` (from the PyPI package
 `nvidia-nvml-dev`) into a library with the real soname and ABI, and pynvml loads it through its
-normal `CDLL("libnvidia-ml.so.1")`. What the library reports (cards, processes, health, topology)
-comes from a JSON description named by the environment variable `LEVERS9_NVML_STANDIN`, which the
-library reads again at each first `nvmlInit`.
+normal `CDLL("libnvidia-ml.so.1")`. What the library reports (cards, processes, health,
+readings such as utilisation, temperature and power, topology) comes from a JSON description
+named by the environment variable `LEVERS9_NVML_STANDIN`, which the library reads again at each
+first `nvmlInit`.
 
 Two ways to put it under pynvml:
 - a new process with `LD_LIBRARY_PATH` naming the library's directory (`standin_environ`), the
@@ -140,8 +141,18 @@ class StandinDevice:
     remapped_rows_pending: bool = False
     remapped_rows_failed: bool = False
     ecc_uncorrected_volatile: int | None = 0
+    """None: the card has no ECC counters (NVML answers "not supported" for both kinds)."""
+    ecc_corrected_volatile: int = 0
+    utilization_supported: bool = True
+    utilization_gpu_percent: int = 0
+    utilization_memory_percent: int = 0
+    temperature_celsius: int | None = 33
+    """None: the card has no die sensor NVML can read."""
+    power_usage_mw: int | None = 61000
+    """Milliwatts, as NVML reports them; None: the card cannot measure its power."""
     xids: tuple[int, ...] = ()
     """Critical XIDs delivered to whoever registers for them."""
+    xid_events_supported: bool = True
     errors: Mapping[str, str] = attrs.field(factory=dict, hash=False)
     """NVML function name (or "*" for all) -> NVML_ERROR_* name it fails with on this card."""
 
@@ -167,8 +178,20 @@ class StandinDevice:
             else None,
             "ecc": None
             if self.ecc_uncorrected_volatile is None
-            else {"uncorrected_volatile": self.ecc_uncorrected_volatile},
+            else {
+                "uncorrected_volatile": self.ecc_uncorrected_volatile,
+                "corrected_volatile": self.ecc_corrected_volatile,
+            },
+            "utilization": {
+                "gpu": self.utilization_gpu_percent,
+                "memory": self.utilization_memory_percent,
+            }
+            if self.utilization_supported
+            else None,
+            "temperature": self.temperature_celsius,
+            "power_usage": self.power_usage_mw,
             "xids": list(self.xids),
+            "xid_events_supported": self.xid_events_supported,
             "errors": dict(self.errors),
         }
 

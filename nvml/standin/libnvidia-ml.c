@@ -23,6 +23,9 @@
  *                                   "failure": false} | null,
  *                 "ecc": {"uncorrected_volatile": 0, "uncorrected_aggregate": 0,
  *                         "corrected_volatile": 0, "corrected_aggregate": 0} | null,
+ *                 "utilization": {"gpu": 0, "memory": 0} | null,   -- percent
+ *                 "temperature": 33 | null,                        -- degrees C, GPU die
+ *                 "power_usage": 61000 | null,                     -- milliwatts
  *                 "xids": [79], "xid_events_supported": true,
  *                 "errors": {"nvmlDeviceGetName": "GPU_IS_LOST", "*": "GPU_IS_LOST"}}],
  *    "topology": {"nvlink_groups": [[0, 1]], "pcie_switches": [[0, 1]],
@@ -408,6 +411,12 @@ typedef struct {
     unsigned rows_corrected, rows_uncorrected, rows_pending, rows_failure;
     int ecc_supported;
     unsigned long long ecc[2][2]; /* [error type][counter type] */
+    int util_supported;
+    unsigned util_gpu, util_memory; /* percent over the last sample period */
+    int temperature_supported;
+    int temperature; /* degrees C */
+    int power_supported;
+    unsigned power_mw;
     int xid_supported;
     int xid_count;
     unsigned long long xids[MAX_XIDS];
@@ -553,6 +562,23 @@ static int load_device(int index, const jval *d, char *error, size_t error_size)
         uint_or(jget(ecc, "uncorrected_volatile"), 0);
     dev->ecc[NVML_MEMORY_ERROR_TYPE_UNCORRECTED][NVML_AGGREGATE_ECC] =
         uint_or(jget(ecc, "uncorrected_aggregate"), 0);
+
+    const jval *util = jget(d, "utilization");
+    dev->util_supported = !(util && util->type == J_NULL);
+    dev->util_gpu = (unsigned)uint_or(jget(util, "gpu"), 0);
+    dev->util_memory = (unsigned)uint_or(jget(util, "memory"), 0);
+    if (dev->util_gpu > 100 || dev->util_memory > 100) {
+        snprintf(error, error_size, "devices[%d].utilization is a percentage, 0 to 100", index);
+        return 0;
+    }
+
+    const jval *temperature = jget(d, "temperature");
+    dev->temperature_supported = !(temperature && temperature->type == J_NULL);
+    dev->temperature = temperature && temperature->type == J_NUM ? (int)temperature->num : 33;
+
+    const jval *power = jget(d, "power_usage");
+    dev->power_supported = !(power && power->type == J_NULL);
+    dev->power_mw = (unsigned)uint_or(power, 61000);
 
     dev->xid_supported = bool_or(jget(d, "xid_events_supported"), 1);
     const jval *xids = jget(d, "xids");
@@ -929,6 +955,56 @@ EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device,
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!g_devices[index].ecc_supported) return NVML_ERROR_NOT_SUPPORTED;
     *eccCounts = g_devices[index].ecc[errorType][counterType];
+    return NVML_SUCCESS;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* What a card measures now: utilisation, temperature, power.                                     */
+
+EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device,
+                                                  nvmlUtilization_t *utilization) {
+    ENTER_DEVICE(device, index, 0);
+    if (!utilization) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!g_devices[index].util_supported) return NVML_ERROR_NOT_SUPPORTED;
+    utilization->gpu = g_devices[index].util_gpu;
+    utilization->memory = g_devices[index].util_memory;
+    return NVML_SUCCESS;
+}
+
+/* The card's die sensor; the hottest-spot sensor (GPU_MAX) is not offered, as on older cards. */
+static nvmlReturn_t read_temperature(int index, nvmlTemperatureSensors_t sensor, int *out) {
+    if ((unsigned)sensor >= NVML_TEMPERATURE_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!g_devices[index].temperature_supported || sensor != NVML_TEMPERATURE_GPU)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *out = g_devices[index].temperature;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device,
+                                              nvmlTemperature_t *temperature) {
+    ENTER_DEVICE(device, index, 0);
+    if (!temperature) return NVML_ERROR_INVALID_ARGUMENT;
+    if (temperature->version != nvmlTemperature_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    return read_temperature(index, temperature->sensorType, &temperature->temperature);
+}
+
+/* The unversioned call, deprecated in NVML 13 but what older drivers offer. */
+EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device,
+                                             nvmlTemperatureSensors_t sensorType,
+                                             unsigned int *temp) {
+    ENTER_DEVICE(device, index, 0);
+    if (!temp) return NVML_ERROR_INVALID_ARGUMENT;
+    int value;
+    nvmlReturn_t result = read_temperature(index, sensorType, &value);
+    if (result == NVML_SUCCESS) *temp = value < 0 ? 0u : (unsigned)value;
+    return result;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
+    ENTER_DEVICE(device, index, 0);
+    if (!power) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!g_devices[index].power_supported) return NVML_ERROR_NOT_SUPPORTED;
+    *power = g_devices[index].power_mw;
     return NVML_SUCCESS;
 }
 

@@ -26,12 +26,30 @@ app.kubernetes.io/name: {{ include "levers9.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{- define "levers9.labels" -}}
+{{- define "levers9.commonLabels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{ include "levers9.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "levers9.labels" -}}
+{{ include "levers9.commonLabels" . }}
 app.kubernetes.io/component: controlplane
+{{- end }}
+
+{{/*
+The metrics Service's labels: its own component, so that the ServiceMonitor's selector picks
+it and never the public Service.
+*/}}
+{{- define "levers9.metricsSelectorLabels" -}}
+{{ include "levers9.selectorLabels" . }}
+app.kubernetes.io/component: metrics
+{{- end }}
+
+{{- define "levers9.metricsLabels" -}}
+{{ include "levers9.commonLabels" . }}
+app.kubernetes.io/component: metrics
 {{- end }}
 
 {{- define "levers9.serviceAccountName" -}}
@@ -45,6 +63,11 @@ app.kubernetes.io/component: controlplane
 {{/* The container port: the port of config.listen (HOST:PORT). */}}
 {{- define "levers9.port" -}}
 {{- regexReplaceAll "^.*:" (toString .Values.config.listen) "" }}
+{{- end }}
+
+{{/* The metrics listener's address as config.metrics.listen takes it (HOST:PORT). */}}
+{{- define "levers9.metricsListen" -}}
+{{- printf "0.0.0.0:%d" (int .Values.metrics.port) }}
 {{- end }}
 
 {{/* The pools of config.worker.pools as a list (empty when unset). */}}
@@ -168,6 +191,7 @@ else "".
 {{- if not (lt (float64 $election.retryPeriodS) (float64 $election.renewDeadlineS)) }}
 {{- fail (printf "leaderElection.retryPeriodS must be less than renewDeadlineS (%v), not %v: a leader must be able to try renewing more than once" $election.renewDeadlineS $election.retryPeriodS) }}
 {{- end }}
+{{- include "levers9.validateMetrics" . }}
 {{- if not $c.publicUrl }}
 {{- fail "config.publicUrl is empty; set it to the https:// URL that workers and the CLI dial (the Service's address under your DNS name), e.g. config.publicUrl: https://levers9.example.com" }}
 {{- end }}
@@ -236,6 +260,49 @@ else "".
 {{- end }}
 {{- if and (not $hostNetwork) (not $tunnel) }}
 {{- fail (printf "%s.kubernetes.hostNetwork: false needs tunnel: true (nothing outside the cluster can dial a pod address); set tunnel: true or hostNetwork: true" $where) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The metrics values: the listener the chart turns on (config.metrics.listen, a container port,
+a ClusterIP Service) and the ServiceMonitor that scrapes it.
+*/}}
+{{- define "levers9.validateMetrics" -}}
+{{- $metrics := .Values.metrics }}
+{{- if not (kindIs "map" $metrics) }}
+{{- fail "metrics: must be a mapping (enabled, port, serviceMonitor); see the chart's values.yaml" }}
+{{- end }}
+{{- $monitor := $metrics.serviceMonitor | default dict }}
+{{- if not (kindIs "map" $monitor) }}
+{{- fail "metrics.serviceMonitor: must be a mapping (enabled, interval, labels); see the chart's values.yaml" }}
+{{- end }}
+{{- $c := .Values.config }}
+{{- $own := $c.metrics | default dict }}
+{{- if not (kindIs "map" $own) }}
+{{- fail "config.metrics: must be a mapping (listen: HOST:PORT); or leave it out and set the chart's metrics.enabled: true" }}
+{{- end }}
+{{- if and $monitor.enabled (not $metrics.enabled) }}
+{{- fail "metrics.serviceMonitor.enabled is true but metrics.enabled is not: the ServiceMonitor scrapes the metrics listener that metrics.enabled turns on; set metrics.enabled: true as well, or metrics.serviceMonitor.enabled: false" }}
+{{- end }}
+{{- if $metrics.enabled }}
+{{- if $own.listen }}
+{{- fail (printf "metrics.enabled and config.metrics.listen (%q) are both set; keep one: metrics.enabled renders config.metrics.listen as 0.0.0.0:<metrics.port> together with the container port, the metrics Service and the ServiceMonitor, so remove config.metrics.listen (or set metrics.enabled: false to run a listener of your own without them)" (toString $own.listen)) }}
+{{- end }}
+{{- $port := $metrics.port }}
+{{- if or (kindIs "invalid" $port) (kindIs "bool" $port) (not (regexMatch "^[0-9]+$" (toString $port))) (lt (int $port) 1) (gt (int $port) 65535) }}
+{{- fail (printf "metrics.port: %v must be a port number, 1 to 65535 (default 9090)" $port) }}
+{{- end }}
+{{- if eq (toString (int $port)) (include "levers9.port" .) }}
+{{- fail (printf "metrics.port: %v is config.listen's port too (%s); the metrics listener needs a port of its own, e.g. 9090" $port (toString $c.listen)) }}
+{{- end }}
+{{- end }}
+{{- if $monitor.enabled }}
+{{- if not (regexMatch "^([0-9]+(ms|s|m|h|d|w|y))+$" (toString $monitor.interval)) }}
+{{- fail (printf "metrics.serviceMonitor.interval: %q must be a Prometheus duration, e.g. 30s or 1m" (toString $monitor.interval)) }}
+{{- end }}
+{{- if not (kindIs "map" ($monitor.labels | default dict)) }}
+{{- fail "metrics.serviceMonitor.labels: must be a mapping of label names to values, e.g. {release: prometheus}" }}
 {{- end }}
 {{- end }}
 {{- end }}

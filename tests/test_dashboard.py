@@ -1,0 +1,278 @@
+"""The dashboard in a real browser, and `/metrics`, against the loopback installation.
+
+Debian's Chromium is driven by Playwright (never a downloaded browser) over HTTPS to the
+controlplane, which it trusts by the public key of the simulated installation's certificate.
+Playwright's synchronous API runs in one worker thread for the whole scenario while trio keeps
+serving the controlplane and the workers; screenshots of Apps and Machines are kept under
+`test-artifacts/dashboard/` (or `$LEVERS9_ARTIFACTS/dashboard/`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import httpx
+import pytest
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from prometheus_client.parser import text_string_to_metric_families
+
+from control.models import TaskRequest, TaskState
+from sim.cluster import Cluster, free_port, open_node_cluster
+from sim.kubeapi.store import KubeStandin
+
+if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
+    # from being rewritten
+    from tests.registry_fixtures import SharedRegistry
+
+pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (CI runs as root)")
+
+CHROMIUM = "/usr/bin/chromium"
+TICKS = "i=0; while true; do i=$((i+1)); echo tick $i; echo warn $i >&2; sleep 0.2; done"
+
+
+def artifacts() -> Path:
+    where = Path(os.environ.get("LEVERS9_ARTIFACTS", "test-artifacts")) / "dashboard"
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+def spki_pin(cert_file: Path) -> str:
+    """What Chromium's --ignore-certificate-errors-spki-list takes: base64 SHA-256 of the
+    certificate's public key, so only this one certificate is accepted without a CA."""
+    cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+    spki = cert.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+    return base64.b64encode(hashlib.sha256(spki).digest()).decode()
+
+
+@attrs.frozen
+class Seen:
+    """What the browser saw, for the assertions made back in trio."""
+
+    csp: str
+    console_errors: tuple[str, ...]
+    signin_error: str
+    b_rows: int
+    b_saw_a: bool
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, kube: KubeStandin) -> AsyncIterator[Cluster]:
+    metrics = free_port()
+    async with open_node_cluster(
+        tmp_path / "cluster",
+        kube,
+        2,
+        extra_config={"metrics": {"listen": f"127.0.0.1:{metrics}"}},
+    ) as running:
+        yield running
+
+
+def drive(cluster: Cluster, finished: str, ticking: str) -> Seen:
+    """The whole browser scenario, in this (worker) thread."""
+    from playwright.sync_api import expect, sync_playwright
+
+    base = cluster.url
+    errors: list[str] = []
+    # Generous waits: on a loaded 2-core machine Chromium's first page takes seconds.
+    expect.set_options(timeout=20_000)
+
+    def note_failure(url: str, why: str) -> None:
+        # A view's streams are aborted on purpose when the view changes; and each container
+        # the simulated node starts adds network interfaces on this host, on which Chromium
+        # fails what is in flight with ERR_NETWORK_CHANGED (the dashboard opens it again).
+        if "ERR_ABORTED" not in why and "ERR_NETWORK_CHANGED" not in why:
+            errors.append(f"{url}: {why}")
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                f"--ignore-certificate-errors-spki-list={spki_pin(cluster.pki.cert_file)}",
+            ],
+        )
+        try:
+            # Workspace A: a wrong token first, then the right one.
+            alice = browser.new_context(viewport={"width": 1400, "height": 900})
+            page = alice.new_page()
+            page.goto(f"{base}/ui/")
+            expect(page).to_have_url(f"{base}/ui/signin")
+            page.fill("#token", "not-a-token")
+            page.click("button[type=submit]")
+            signin_error = page.inner_text("[role=alert]")
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("requestfailed", lambda r: note_failure(r.url, r.failure or ""))
+            page.fill("#token", cluster.tokens["team-a"])
+            with page.expect_navigation() as signed_in:
+                page.click("button[type=submit]")
+            expect(page).to_have_url(f"{base}/ui/")
+            csp = (
+                signed_in.value.headers.get("content-security-policy", "")
+                if signed_in.value
+                else ""
+            )
+            expect(page.locator(f"tr[data-task='{finished}']")).to_contain_text("succeeded")
+            expect(page.locator(f"tr[data-task='{ticking}']")).to_contain_text("running")
+            page.screenshot(path=str(artifacts() / "apps.png"), full_page=True)
+
+            # The running task's page: its log arrives line by line, without a reload.
+            page.evaluate("window.levers9Marker = 'same page'")
+            page.click(f"tr[data-task='{ticking}'] a")
+            log = page.locator("pre.log")
+            expect(log).to_contain_text("tick 3")
+            expect(log.locator(".line.stderr").first).to_contain_text("warn")
+            seen_first = log.locator(".line").count()
+            expect(log).to_contain_text(f"tick {seen_first + 5}", timeout=15_000)
+            assert page.evaluate("window.levers9Marker") == "same page"
+
+            # Cancel, confirmed in the dialog: the state changes on the same page.
+            page.click("#cancel")
+            expect(page.locator("#confirm")).to_be_visible()
+            page.click("#confirm-ok")
+            expect(page.locator("h1 .state")).to_have_text("cancelled", timeout=30_000)
+            assert page.evaluate("window.levers9Marker") == "same page"
+            page.goto(f"{base}/ui/#/apps")
+            expect(page.locator(f"tr[data-task='{ticking}']")).to_contain_text("cancelled")
+            alice.close()
+
+            # Workspace B sees none of A's tasks.
+            bob = browser.new_context()
+            page = bob.new_page()
+            page.goto(f"{base}/ui/signin")
+            page.fill("#token", cluster.tokens["team-b"])
+            with page.expect_navigation():
+                page.click("button[type=submit]")
+            expect(page.locator("table.tasks tbody")).to_contain_text("No tasks yet")
+            b_rows = page.locator("tr[data-task]").count()
+            b_saw_a = finished in page.content() or ticking in page.content()
+            bob.close()
+
+            # The operator: machines with their cards, and the workers.
+            operator = browser.new_context(viewport={"width": 1400, "height": 700})
+            page = operator.new_page()
+
+            def console(message: Any) -> None:
+                if message.type == "error":
+                    errors.append(message.text)
+
+            page.on("console", console)
+            page.goto(f"{base}/ui/signin")
+            page.fill("#token", cluster.operator_token)
+            with page.expect_navigation():
+                page.click("button[type=submit]")
+            page.goto(f"{base}/ui/#/machines")
+            node = page.locator("tr[data-node='gpu-node-1']")
+            expect(node).to_contain_text("ready")
+            expect(node.locator(".bar .ours")).to_have_text("2")  # the worker holds both
+            page.screenshot(path=str(artifacts() / "machines.png"), full_page=True)
+            page.goto(f"{base}/ui/#/workers")
+            expect(page.locator("tr[data-worker]")).to_contain_text("direct")
+            # Apps is not the operator's: the API's 403 (which the browser logs) in words.
+            page.remove_listener("console", console)
+            page.goto(f"{base}/ui/#/apps")
+            expect(page.locator(".notice")).to_contain_text("workspace token")
+            operator.close()
+        finally:
+            browser.close()
+    return Seen(
+        csp=csp,
+        console_errors=tuple(errors),
+        signin_error=signin_error,
+        b_rows=b_rows,
+        b_saw_a=b_saw_a,
+    )
+
+
+async def test_the_dashboard_shows_a_workspace_its_tasks_live_and_cancels_one(
+    cluster: Cluster, registry: SharedRegistry
+) -> None:
+    async with cluster.client() as client:
+        done = await client.create_task(
+            TaskRequest(image=registry.busybox, command=("echo", "hello from the demo"), cards=1)
+        )
+        assert (await client.wait_task(done.id)).state is TaskState.SUCCEEDED
+        ticking = await client.create_task(
+            TaskRequest(image=registry.busybox, command=("sh", "-c", TICKS), cards=1)
+        )
+        with trio.fail_after(60):
+            while (await client.task(ticking.id)).state is not TaskState.RUNNING:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+
+        seen = await trio.to_thread.run_sync(drive, cluster, done.id, ticking.id)
+
+        assert (await client.task(ticking.id)).state is TaskState.CANCELLED
+    assert "script-src 'self'" in seen.csp and "frame-ancestors 'none'" in seen.csp
+    assert "not a workspace or operator token" in seen.signin_error
+    assert seen.b_rows == 0 and not seen.b_saw_a
+    assert seen.console_errors == ()
+    assert (artifacts() / "apps.png").stat().st_size > 0
+    assert (artifacts() / "machines.png").stat().st_size > 0
+
+
+def samples(
+    text: str, family_name: str, sample: str = ""
+) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of one metric family (`sample`: a suffix such as `_count`): labels
+    (sorted) → value."""
+    for family in text_string_to_metric_families(text):
+        if family.name == family_name:
+            wanted = {family_name + sample} if sample else {family_name, f"{family_name}_total"}
+            return {
+                tuple(sorted(s.labels.items())): s.value for s in family.samples if s.name in wanted
+            }
+    raise AssertionError(f"no metric {family_name} in the scrape")
+
+
+async def test_metrics_agree_with_the_api_after_tasks_ran(
+    cluster: Cluster, registry: SharedRegistry
+) -> None:
+    async with cluster.client() as client:
+        ok = await client.create_task(
+            TaskRequest(image=registry.busybox, command=("true",), cards=1)
+        )
+        bad = await client.create_task(
+            TaskRequest(image=registry.busybox, command=("sh", "-c", "exit 4"))
+        )
+        for task in (ok, bad):
+            await client.wait_task(task.id)
+        tasks = await client.tasks()
+    async with cluster.client("operator") as operator:
+        response = await operator.open("GET", "/metrics")
+        scraped = (await response.read()).decode()
+        machines = await operator.machines()
+    assert cluster.control is not None and cluster.control.metrics_port is not None
+    async with httpx.AsyncClient() as http:
+        plain = await http.get(f"http://127.0.0.1:{cluster.control.metrics_port}/metrics")
+    assert plain.status_code == 200
+
+    for text in (scraped, plain.text):
+        by_state = samples(text, "levers9_tasks")
+        for state in TaskState:
+            expected = sum(1 for t in tasks if t.state is state)
+            key = (("state", state.value), ("workspace", "team-a"))
+            assert by_state[key] == expected, state
+        free = samples(text, "levers9_pool_cards")[(("pool", "gpu"), ("use", "free"))]
+        assert free == sum(m.cards.free for m in machines.machines)
+        placed = samples(text, "levers9_task_placement_seconds", "_count")
+        assert placed[()] >= 2
+        requests = samples(text, "levers9_api_requests")
+        created = (("code", "201"), ("method", "POST"), ("route", "/v1/tasks"))
+        assert requests[created] >= 2
+        assert not any("t-" in value for labels in requests for _, value in labels)
+
+
+async def test_metrics_need_an_operator_token_on_the_api_port(cluster: Cluster) -> None:
+    async with cluster.client("team-a") as client:
+        response = await client.open("GET", "/metrics")
+        body: Any = await response.read()
+    assert response.status == 403, body

@@ -474,6 +474,36 @@ async def measure_round_trips(
     return samples
 
 
+async def measure_stream(
+    open_stream: OpenStream, *, count: int, message_bytes: int = 64, rate_hz: float = 1000.0
+) -> list[float]:
+    """Seconds from sending each message to receiving its echo, for `count` messages of
+    `message_bytes` sent at `rate_hz` on one echo stream without waiting for the echoes: a token
+    stream's or a terminal's pace, data moving both ways at once. One untimed exchange first."""
+    message = os.urandom(message_bytes)
+    samples: list[float] = []
+    sent_at = [0.0] * count
+    async with await open_stream() as stream:
+        await stream.send_all(b"E")
+        await _exchange(stream, message)
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                start = trio.current_time()
+                for index in range(count):
+                    await trio.sleep_until(start + index / rate_hz)
+                    sent_at[index] = time.perf_counter()
+                    await stream.send_all(message)
+
+            nursery.start_soon(send)
+            for index in range(count):
+                echoed = await receive_exactly(stream, message_bytes)
+                samples.append(time.perf_counter() - sent_at[index])
+                if echoed != message:
+                    raise SinkProtocolError("the echo of a streamed message differs from it")
+    return samples
+
+
 async def measure_connects(
     open_stream: OpenStream, *, count: int, message_bytes: int = 64
 ) -> list[float]:
@@ -519,6 +549,8 @@ class Plan:
     connects: int
     chunk_bytes: int = 1 << 20
     message_bytes: int = 64
+    stream_messages: int = 1000
+    """Messages of `measure_stream`, at 1 kHz: a second per path and repeat."""
 
 
 QUICK_PLAN = Plan(total_bytes=1 << 30, stream_counts=(1, 8), round_trips=2000, connects=50)

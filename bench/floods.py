@@ -49,7 +49,6 @@ from agent.daemon.register import open_controlplane_tls
 from agent.daemon.run import run_agent
 from agent.daemon.tunnel import upgrade_to_tunnel
 from agent.wire.http2 import PREFACE, Http2Settings
-from agent.wire.wsstream import WebSocketStream
 from bench.report import Results, publish
 from control.api.server import Controlplane, serve_controlplane
 from control.cli.client import open_control_client
@@ -222,10 +221,11 @@ async def open_tunnel_as(config: AgentConfig) -> AsyncIterator[trio.abc.Stream]:
     """The byte stream inside a tunnel opened with `config`'s worker token, to speak raw
     HTTP/2 in as the agent would (the server's side)."""
     tls = await open_controlplane_tls(config, ("http/1.1",))
-    async with trio.open_nursery() as nursery:
-        ws = await upgrade_to_tunnel(config, nursery, tls)
-        yield WebSocketStream(ws, tls)
-        nursery.cancel_scope.cancel()
+    ws = await upgrade_to_tunnel(config, tls)
+    try:
+        yield ws
+    finally:
+        await trio.aclose_forcefully(ws)
 
 
 def rss_mb() -> float:

@@ -24,7 +24,10 @@ REQUIRED_RATIOS = (
     "direct_vs_ssh_1",
     "direct_vs_ssh_8",
     "tunnel_vs_tcp_1",
+    "tunnel_vs_ssh_down_1",
+    "tunnel_vs_ssh_down_8",
     "rtt_p50_tunnel_vs_ssh",
+    "stream_p99_tunnel_vs_ssh",
     "connect_p50_tunnel_vs_ssh",
 )
 
@@ -37,6 +40,7 @@ REQUIRED_RATIOS = (
 def test_tiny_run_reports_every_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report_path = tmp_path / "tunnel.json"
     tiny = ["--total-mib", "4", "--round-trips", "20", "--connects", "5", "--repeats", "1"]
+    tiny += ["--stream-messages", "50"]
     # What runs before the benchmark (a session fixture's registry, say) is not its own.
     before = {p.pid for p in psutil.Process().children(recursive=True)}
 

@@ -50,7 +50,6 @@ from control.cli.output import (
     task_row,
 )
 from control.cli.parse import (
-    UsageError,
     parse_cpu,
     parse_env,
     parse_local,
@@ -61,6 +60,7 @@ from control.cli.parse import (
 )
 from control.cli.port import forward_port
 from control.cli.tasks import follow_run
+from control.cli.usage import UsageError
 from control.kube.loop import PoolStatus
 from control.kube.planner import Cards, Machine, NotAMachine, WorkerView
 from control.models import (

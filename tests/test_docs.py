@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from control.cli.main import parse_args
-from control.cli.parse import UsageError
+from control.cli.usage import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted((REPO / "docs").glob("*.md"))

@@ -157,6 +157,65 @@ async def test_endpoint_box_port_exec_and_snapshot_restore(
         assert lines == ["kept"]
 
 
+SSE_EVENTS = 5
+SSE_SCRIPT = f"""#!/bin/sh
+printf 'Content-Type: text/event-stream\\r\\n\\r\\n'
+i=0
+while [ $i -lt {SSE_EVENTS} ]; do
+  printf 'data: event %s\\n\\n' $i
+  n=0
+  while [ ! -e /tmp/ack.$i ] && [ $n -lt 3000 ]; do sleep 0.01; n=$((n+1)); done
+  i=$((i+1))
+done
+"""
+"""A CGI event stream that writes event N+1 only once the client acknowledged event N (by a GET
+of the ack script below, through the same route): were any hop to hold event N back until more
+bytes came, the stream would stall and the test time out."""
+ACK_SCRIPT = """#!/bin/sh
+touch /tmp/ack.$QUERY_STRING
+printf 'Content-Type: text/plain\\r\\n\\r\\nok\\n'
+"""
+SSE_SERVER = (
+    "mkdir -p /www/cgi-bin && cd /www/cgi-bin && printf '%s' \"$SSE\" > sse && "
+    "printf '%s' \"$ACK\" > ack && chmod +x sse ack && echo ready && "
+    "exec httpd -f -p 8080 -h /www"
+)
+
+
+async def test_server_sent_events_arrive_one_by_one_through_the_endpoint(
+    cluster: Cluster, registry: SharedRegistry
+) -> None:
+    async with cluster.client() as client:
+        task = await client.create_task(
+            TaskRequest(
+                image=registry.busybox,
+                command=("sh", "-c", SSE_SERVER),
+                env={"SSE": SSE_SCRIPT, "ACK": ACK_SCRIPT},
+                ports=(8080,),
+            )
+        )
+        with trio.fail_after(60):
+            await wait_for_line(client, task.id, "ready")
+        base = f"/v1/tasks/{task.id}/ports/8080/cgi-bin"
+        events: list[str] = []
+        with trio.fail_after(30):
+            async with client.stream("GET", f"{base}/sse") as response:
+                assert response.status == 200
+                assert response.headers["content-type"] == "text/event-stream"
+                buffered = b""
+                async for chunk in response.iter_chunks():
+                    buffered += chunk
+                    while b"\n\n" in buffered:
+                        event, buffered = buffered.split(b"\n\n", 1)
+                        events.append(event.decode())
+                        # The server waits for this before it writes the next event.
+                        ack = f"{base}/ack?{len(events) - 1}"
+                        async with client.stream("GET", ack) as acked:
+                            assert (acked.status, await acked.read()) == (200, b"ok\n")
+        await client.cancel_task(task.id)
+    assert events == [f"data: event {i}" for i in range(SSE_EVENTS)]
+
+
 async def test_tasks_of_one_workspace_are_invisible_to_another(
     cluster: Cluster, registry: SharedRegistry
 ) -> None:

@@ -124,8 +124,8 @@ async def test_tunnel_cut_reconnects(
     await first.health()
     # The network drops the tunnel: its TCP connection is shut down under both ends.
     ws_stream = first.conn.transport
-    assert isinstance(ws_stream, WebSocketStream) and ws_stream._transport is not None
-    tls = ws_stream._transport
+    assert isinstance(ws_stream, WebSocketStream)
+    tls = ws_stream.transport
     assert isinstance(tls, TLSStream)
     tcp = tls.transport_stream
     assert isinstance(tcp, trio.SocketStream)

@@ -4,73 +4,59 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+import struct
 
 import pytest
 import trio
 import trio.testing
-import trio_websocket
+from wsproto import ConnectionType
+from wsproto.connection import Connection
+from wsproto.events import BytesMessage, CloseConnection
+from wsproto.events import Ping as WsprotoPing
+from wsproto.events import Pong as WsprotoPong
 
-from agent.wire.wsstream import WS_MAX_SEND_BYTES, WebSocketStream, wrap_client, wrap_server
+from agent.wire.websocket import OP_BINARY, OP_CLOSE, OP_TEXT, FrameDecoder, encode_frame
+from agent.wire.wsstream import (
+    WS_MAX_SEND_BYTES,
+    ConnectionRejected,
+    HandshakeError,
+    WebSocketStream,
+    open_websocket,
+    read_upgrade,
+)
 
-WebSocketPair = tuple[trio_websocket.WebSocketConnection, trio_websocket.WebSocketConnection]
 
-
-async def open_websockets(
-    nursery: trio.Nursery,
+async def open_pair(
     transports: tuple[trio.abc.Stream, trio.abc.Stream] | None = None,
-) -> WebSocketPair:
-    """A connected (client, server) WebSocket pair over an in-memory stream pair."""
+) -> tuple[WebSocketStream, WebSocketStream]:
+    """A connected (client, server) pair over an in-memory stream pair."""
     if transports is None:
         transports = trio.testing.memory_stream_pair()
     client_transport, server_transport = transports
-    server_ws: trio_websocket.WebSocketConnection | None = None
+    server: WebSocketStream | None = None
 
     async def serve() -> None:
-        nonlocal server_ws
-        request = await wrap_server(nursery, server_transport)
+        nonlocal server
+        request = await read_upgrade(server_transport)
         assert request.path == "/tunnel"
         assert (b"x-worker", b"w1") in request.headers
-        server_ws = await request.accept()
+        server = await request.accept()
 
     async with trio.open_nursery() as handshakes:
         handshakes.start_soon(serve)
-        client_ws = await wrap_client(
-            nursery,
-            client_transport,
-            "controlplane.example",
-            "/tunnel",
-            headers=[(b"x-worker", b"w1")],
+        client = await open_websocket(
+            client_transport, "controlplane.example", "/tunnel", headers=[(b"x-worker", b"w1")]
         )
-    assert server_ws is not None
-    return client_ws, server_ws
+    assert server is not None
+    return client, server
 
 
-@pytest.fixture
-async def background() -> AsyncIterator[trio.Nursery]:
-    """A nursery for the WebSocket reader tasks, cancelled when the test ends."""
-    async with trio.open_nursery() as nursery:
-        yield nursery
-        nursery.cancel_scope.cancel()
+async def test_generic_stream_contract() -> None:
+    await trio.testing.check_two_way_stream(open_pair, None)
 
 
-def stream_maker(
-    nursery: trio.Nursery,
-) -> Callable[[], Awaitable[tuple[trio.abc.Stream, trio.abc.Stream]]]:
-    async def make() -> tuple[trio.abc.Stream, trio.abc.Stream]:
-        client_ws, server_ws = await open_websockets(nursery)
-        return WebSocketStream(client_ws), WebSocketStream(server_ws)
-
-    return make
-
-
-async def test_generic_stream_contract(background: trio.Nursery) -> None:
-    await trio.testing.check_two_way_stream(stream_maker(background), None)
-
-
-async def test_32_mib_arrive_intact(background: trio.Nursery) -> None:
-    client_ws, server_ws = await open_websockets(background)
-    client, server = WebSocketStream(client_ws), WebSocketStream(server_ws)
+async def test_32_mib_arrive_intact() -> None:
+    client, server = await open_pair()
     payload = random.Random(3).randbytes(32 * 1024 * 1024)
     digest = hashlib.sha256()
 
@@ -88,79 +74,158 @@ async def test_32_mib_arrive_intact(background: trio.Nursery) -> None:
     assert digest.hexdigest() == hashlib.sha256(payload).hexdigest()
 
 
-async def test_send_larger_than_one_message_is_split(background: trio.Nursery) -> None:
-    client_ws, server_ws = await open_websockets(background)
-    client = WebSocketStream(client_ws)
-    payload = b"z" * (WS_MAX_SEND_BYTES + 10)
+async def test_send_larger_than_one_frame_is_split() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    client = WebSocketStream(client_transport, client_side=True)
+    decoder = FrameDecoder(client_side=False)
+    sizes: list[int] = []
+
+    async def read_headers() -> None:
+        # The frame headers on the wire: two frames, the first of the largest size.
+        received = 0
+        while received < WS_MAX_SEND_BYTES + 10:
+            decoder.receive_data(await server_transport.receive_some())
+            while (piece := decoder.next_event()) is not None:
+                assert isinstance(piece, bytes)
+                received += len(piece)
+                if decoder._remaining == 0:
+                    sizes.append(received - sum(sizes))
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.send_all, payload)
-        # The peer would have closed with 1009 (too big) had this gone as one message.
-        assert len(await server_ws.get_message()) == WS_MAX_SEND_BYTES
-        assert await server_ws.get_message() == b"z" * 10
+        nursery.start_soon(read_headers)
+        await client.send_all(b"z" * (WS_MAX_SEND_BYTES + 10))
+    assert sizes == [WS_MAX_SEND_BYTES, 10]
 
 
-async def test_message_is_handed_out_in_parts(background: trio.Nursery) -> None:
-    client_ws, server_ws = await open_websockets(background)
-    client = WebSocketStream(client_ws)
-    await server_ws.send_message(b"abcdefgh")
-    await server_ws.send_message(b"ij")
+async def test_a_frame_is_handed_out_in_parts() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    client = WebSocketStream(client_transport, client_side=True)
+    await server_transport.send_all(
+        encode_frame(OP_BINARY, b"abcdefgh", mask=False)
+        + encode_frame(OP_BINARY, b"ij", mask=False)
+    )
     assert await client.receive_some(3) == b"abc"
     assert await client.receive_some(3) == b"def"
     assert await client.receive_some() == b"gh"
     assert await client.receive_some(100) == b"ij"
 
 
-async def test_text_message_breaks_the_stream(background: trio.Nursery) -> None:
-    client_ws, server_ws = await open_websockets(background)
-    client = WebSocketStream(client_ws)
-
-    async def peer() -> None:
-        await server_ws.send_message("not bytes")
-        with pytest.raises(trio_websocket.ConnectionClosed) as info:
-            await server_ws.get_message()
-        assert info.value.reason is not None
-        assert info.value.reason.code == 1003
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(peer)
-        with pytest.raises(trio.BrokenResourceError, match="text message"):
-            await client.receive_some()
+async def test_a_text_message_breaks_the_stream_with_1003() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    client = WebSocketStream(client_transport, client_side=True)
+    await server_transport.send_all(encode_frame(OP_TEXT, b"not bytes", mask=False))
     with pytest.raises(trio.BrokenResourceError, match="text message"):
         await client.receive_some()
-
-
-async def test_abnormal_close_names_the_code(background: trio.Nursery) -> None:
-    client_ws, server_ws = await open_websockets(background)
-    client = WebSocketStream(client_ws)
-    await server_ws.send_message(b"before")
-    await server_ws.aclose(4001, "worker deregistered")
-    assert await client.receive_some() == b"before"
-    with pytest.raises(trio.BrokenResourceError) as info:
+    with pytest.raises(trio.BrokenResourceError, match="text message"):
         await client.receive_some()
-    assert "4001" in str(info.value)
-    assert "worker deregistered" in str(info.value)
+    theirs = Connection(ConnectionType.SERVER)
+    theirs.receive_data(bytes(await server_transport.receive_some()))
+    (close,) = list(theirs.events())
+    assert isinstance(close, CloseConnection) and close.code == 1003
+
+
+async def test_an_abnormal_close_names_the_code_and_is_answered() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    client = WebSocketStream(client_transport, client_side=True)
+    theirs = Connection(ConnectionType.SERVER)
+    await server_transport.send_all(
+        theirs.send(BytesMessage(data=b"before"))
+        + theirs.send(CloseConnection(code=4001, reason="worker deregistered"))
+    )
+    assert await client.receive_some() == b"before"
+    with pytest.raises(trio.BrokenResourceError, match="4001: worker deregistered"):
+        await client.receive_some()
     with pytest.raises(trio.BrokenResourceError):
         await client.send_all(b"anyone there?")
+    theirs.receive_data(bytes(await server_transport.receive_some()))
+    (answer,) = list(theirs.events())
+    assert isinstance(answer, CloseConnection) and answer.code == 4001
 
 
-async def test_lost_transport_is_a_broken_stream(background: trio.Nursery) -> None:
+async def test_a_ping_is_answered_between_payloads() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    client = WebSocketStream(client_transport, client_side=True)
+    theirs = Connection(ConnectionType.SERVER)
+    await server_transport.send_all(
+        theirs.send(BytesMessage(data=b"one"))
+        + theirs.send(WsprotoPing(payload=b"hello?"))
+        + theirs.send(BytesMessage(data=b"two"))
+    )
+    assert await client.receive_some() == b"one"
+    assert await client.receive_some() == b"two"
+    theirs.receive_data(bytes(await server_transport.receive_some()))
+    assert list(theirs.events()) == [WsprotoPong(payload=b"hello?")]
+
+
+async def test_a_lost_transport_is_a_broken_stream() -> None:
     transports = trio.testing.memory_stream_pair()
-    client_ws, _server_ws = await open_websockets(background, transports)
-    client = WebSocketStream(client_ws)
+    client, _server = await open_pair(transports)
     await trio.aclose_forcefully(transports[1])  # the TCP connection drops
     with pytest.raises(trio.BrokenResourceError, match="1006"):
         await client.receive_some()
 
 
 @pytest.mark.parametrize("code", [1000, 1001])
-async def test_normal_close_is_eof(background: trio.Nursery, code: int) -> None:
-    client_ws, server_ws = await open_websockets(background)
-    client = WebSocketStream(client_ws)
-    await server_ws.send_message(b"bye")
-    await server_ws.aclose(code)
+async def test_a_normal_close_is_eof(code: int) -> None:
+    client, server = await open_pair()
+    await server.send_all(b"bye")
+    close = encode_frame(OP_CLOSE, struct.pack("!H", code), mask=False)
+    await server.transport.send_all(close)
     assert await client.receive_some() == b"bye"
     assert await client.receive_some() == b""
     assert await client.receive_some() == b""
     await client.aclose()
     with pytest.raises(trio.ClosedResourceError):
         await client.receive_some()
+
+
+async def test_aclose_waits_for_the_peers_answer_then_closes_the_transport() -> None:
+    client, server = await open_pair()
+
+    async def peer() -> None:
+        assert await server.receive_some() == b""  # our close reads as EOF there
+        await server.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(peer)
+        await client.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await client.transport.send_all(b"x")
+
+
+async def test_a_rejection_carries_the_status_and_body() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+
+    async def refuse() -> None:
+        request = await read_upgrade(server_transport)
+        await request.reject(401, body=b"wrong or missing worker token\n")
+        await server_transport.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(refuse)
+        with pytest.raises(ConnectionRejected, match="HTTP 401: wrong or missing") as info:
+            await open_websocket(client_transport, "cp", "/tunnel", headers=[])
+    assert info.value.status_code == 401
+
+
+async def test_a_plain_get_is_told_this_is_a_websocket_address() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    await client_transport.send_all(b"GET /v1/workers/w1/tunnel HTTP/1.1\r\nhost: cp\r\n\r\n")
+    with pytest.raises(HandshakeError, match="WebSocket upgrades only"):
+        await read_upgrade(server_transport)
+    answer = await client_transport.receive_some()
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert b"WebSocket upgrades only" in answer
+
+
+async def test_a_server_gone_mid_handshake_is_a_handshake_error() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+
+    async def vanish() -> None:
+        await server_transport.receive_some()
+        await server_transport.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(vanish)
+        with pytest.raises(HandshakeError, match="closed the connection"):
+            await open_websocket(client_transport, "cp", "/tunnel", headers=[])

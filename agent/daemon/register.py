@@ -13,7 +13,6 @@ from pathlib import Path
 
 import psutil
 import trio
-import trio_websocket
 
 from agent import __version__
 from agent.api.models import Registration
@@ -32,6 +31,7 @@ from agent.wire.tls import (
     TLSStream,
     verifying_client_context,
 )
+from agent.wire.wsstream import ConnectionRejected, HandshakeError
 
 log = logging.getLogger("levers9.agent")
 
@@ -172,7 +172,7 @@ TUNNEL_FAILURES = (
     trio.BrokenResourceError,
     trio.TooSlowError,
     TunnelRejected,
-    trio_websocket.HandshakeError,
+    HandshakeError,
 )
 
 
@@ -190,7 +190,7 @@ def _cause_chain(exc: BaseException) -> list[BaseException]:
 def failure_reason(exc: BaseException) -> str:
     """One line for a log or a check: what went wrong talking to the controlplane, sorted by
     the exception's type (and its causes'), never by its message."""
-    if isinstance(exc, trio_websocket.ConnectionRejected):
+    if isinstance(exc, ConnectionRejected):
         hint = " (check the worker token)" if exc.status_code in (401, 403) else ""
         return f"the controlplane refused the tunnel with HTTP {exc.status_code}{hint}"
     for cause in _cause_chain(exc):

@@ -41,7 +41,6 @@ from pathlib import Path
 
 import attrs
 import trio
-import trio_websocket
 
 from agent.daemon.config import (
     AgentConfig,
@@ -58,6 +57,7 @@ from agent.runtime.config import ContainerConfig
 from agent.runtime.runc import checkpoint_support
 from agent.wire.client import ApiClient, open_api_client
 from agent.wire.errors import ApiError, exception_leaves
+from agent.wire.wsstream import ConnectionRejected
 from nvml import NvmlUnavailableError, Snapshot, open_nvml
 
 
@@ -723,32 +723,23 @@ def _describe(group: BaseExceptionGroup[BaseException]) -> str:
 
 async def _tunnel_check(config: AgentConfig) -> Check:
     tls = await open_controlplane_tls(config, ("http/1.1",))
-    rejected: int | None = None
     try:
-        async with trio.open_nursery() as nursery:
-            try:
-                ws = await upgrade_to_tunnel(config, nursery, tls)
-            except trio_websocket.ConnectionRejected as exc:
-                rejected = exc.status_code
-            else:
-                await ws.aclose()
-            nursery.cancel_scope.cancel()
-    finally:
+        ws = await upgrade_to_tunnel(config, tls)
+    except ConnectionRejected as exc:
         await tls.aclose()
-    if rejected is not None:
-        return _rejected_check(config, [rejected])
+        return _rejected_check(config, exc.status_code)
+    await ws.aclose()
     return Check("controlplane", "tunnel", Status.OK, "tunnel handshake accepted")
 
 
-def _rejected_check(config: AgentConfig, statuses: Sequence[int | None]) -> Check:
-    """The tunnel was refused, with these HTTP statuses (one per refusal seen)."""
-    if any(status in (401, 403) for status in statuses):
-        shown = next(status for status in statuses if status in (401, 403))
+def _rejected_check(config: AgentConfig, status: int) -> Check:
+    """The tunnel was refused with HTTP `status`."""
+    if status in (401, 403):
         return Check(
             "controlplane",
             "tunnel",
             Status.FAIL,
-            f"the controlplane refused the worker token for {config.worker_id} (HTTP {shown})",
+            f"the controlplane refused the worker token for {config.worker_id} (HTTP {status})",
             "check LEVERS9_WORKER_ID and the worker token Secret against the controlplane's "
             "worker tokens",
         )
@@ -756,8 +747,7 @@ def _rejected_check(config: AgentConfig, statuses: Sequence[int | None]) -> Chec
         "controlplane",
         "tunnel",
         Status.FAIL,
-        "the controlplane refused the tunnel with HTTP "
-        + ", ".join(dict.fromkeys(str(status) for status in statuses)),
+        f"the controlplane refused the tunnel with HTTP {status}",
         "check the controlplane's logs for this worker",
     )
 
@@ -827,17 +817,6 @@ async def controlplane_checks(settings: Settings) -> list[Check]:
     try:
         with trio.fail_after(CONTROLPLANE_TIMEOUT_S):
             tunnel = await _tunnel_check(config)
-    except* trio_websocket.ConnectionRejected as group:
-        # The rejection may surface from the WebSocket's reader task rather than the handshake;
-        # every refusal in the group is translated, not just one of them.
-        tunnel = _rejected_check(
-            config,
-            [
-                leaf.status_code
-                for leaf in exception_leaves(group)
-                if isinstance(leaf, trio_websocket.ConnectionRejected)
-            ],
-        )
     except* _NETWORK_FAILURES as group:
         failure = _describe(group)
     checks.append(

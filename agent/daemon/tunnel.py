@@ -9,7 +9,6 @@ import random
 from collections.abc import Awaitable, Callable
 
 import trio
-import trio_websocket
 
 from agent import __version__
 from agent.daemon.config import AgentConfig
@@ -33,7 +32,7 @@ from agent.wire.service import Service
 from agent.wire.tls import (
     TLSStream,
 )
-from agent.wire.wsstream import WebSocketStream, wrap_client
+from agent.wire.wsstream import ConnectionRejected, HandshakeError, WebSocketStream, open_websocket
 
 log = logging.getLogger("levers9.agent")
 
@@ -111,13 +110,10 @@ async def _drain(conn: Http2Connection, drain_s: float) -> None:
     await conn.aclose()
 
 
-async def upgrade_to_tunnel(
-    config: AgentConfig, nursery: trio.Nursery, tls: TLSStream
-) -> trio_websocket.WebSocketConnection:
+async def upgrade_to_tunnel(config: AgentConfig, tls: TLSStream) -> WebSocketStream:
     """The tunnel's WebSocket upgrade on `tls`, presenting the worker token (the agent's own
-    tunnel and the self-check's handshake both open it here); its reader runs in `nursery`."""
-    return await wrap_client(
-        nursery,
+    tunnel and the self-check's handshake both open it here)."""
+    return await open_websocket(
         tls,
         config.controlplane_host,
         f"/v1/workers/{config.worker_id}/tunnel",
@@ -138,18 +134,18 @@ async def serve_tunnel(
     tls = await open_controlplane_tls(config, ("http/1.1",))
     async with trio.open_nursery() as ws_nursery:
         try:
-            ws = await upgrade_to_tunnel(config, ws_nursery, tls)
-        except trio_websocket.ConnectionRejected as exc:
+            ws = await upgrade_to_tunnel(config, tls)
+        except ConnectionRejected as exc:
             await tls.aclose()
             raise TunnelRejected(
                 f"the controlplane refused the tunnel with HTTP {exc.status_code}"
                 + (" (check the worker token)" if exc.status_code in (401, 403) else "")
             ) from None
-        except trio_websocket.HandshakeError as exc:
+        except HandshakeError as exc:
             await tls.aclose()
             raise trio.BrokenResourceError(f"tunnel handshake failed: {exc}") from None
         conn = Http2Connection(
-            WebSocketStream(ws, tls),
+            ws,
             client_side=False,
             settings=config.http2,
             keepalive=config.keepalive,

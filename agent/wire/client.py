@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import h2.errors
 import trio
@@ -28,8 +28,10 @@ from agent.wire.connection import (
     header_value,
 )
 from agent.wire.errors import ApiError, ErrorBody, ErrorCode, dumps, loads, structure
-from agent.wire.h2websocket import H2WebSocket
 from agent.wire.http2 import Http2Settings
+
+if TYPE_CHECKING:
+    from agent.wire.h2websocket import H2WebSocket
 
 T = TypeVar("T")
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -208,6 +210,8 @@ class ApiClient:
             *self._credentials(),
             (b"sec-websocket-version", b"13"),
         ]
+        from agent.wire.h2websocket import H2WebSocket  # wsproto, for exec only
+
         return H2WebSocket(await self._open_tunnel(headers), client_side=True)
 
     async def _open_tunnel(self, headers: Headers) -> H2ByteStream:

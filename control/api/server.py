@@ -24,7 +24,6 @@ from typing import Any
 
 import attrs
 import trio
-import trio_websocket
 
 from agent.api.client import WorkerClient
 from agent.api.models import Registration, WorkerInfo, WorkerSummary
@@ -49,7 +48,7 @@ from agent.wire.service import (
     bearer_token,
 )
 from agent.wire.tls import TLSStream, fingerprint_of_pem
-from agent.wire.wsstream import WebSocketStream, wrap_server
+from agent.wire.wsstream import HandshakeError, read_upgrade
 from control.api.endpoints import EndpointProxy
 from control.api.tasks import WORKSPACE_PREFIX, add_task_routes
 from control.config import ControlConfig
@@ -713,11 +712,11 @@ class Controlplane:
                 # The upgrade request is the connection's first: it comes at once or not at
                 # all. Once it is in, the tunnel lives as long as its PINGs are answered.
                 with trio.fail_after(self.limits.first_request_timeout_s):
-                    request = await wrap_server(nursery, tls)
+                    request = await read_upgrade(tls)
             except (
                 trio.BrokenResourceError,
                 trio.TooSlowError,
-                trio_websocket.HandshakeError,
+                HandshakeError,
             ) as exc:
                 if isinstance(exc, trio.TooSlowError):
                     reason = f"no request within {self.limits.first_request_timeout_s:g} s"
@@ -732,6 +731,7 @@ class Controlplane:
             token = bearer_token(headers)
             if len(parts) != 4 or parts[:2] != ["v1", "workers"] or parts[3] != "tunnel":
                 await request.reject(404, body=b"no such endpoint\n")
+                await tls.aclose()
                 nursery.cancel_scope.cancel()
                 return
             worker_id = parts[2]
@@ -742,11 +742,12 @@ class Controlplane:
                     extra={"worker": worker_id},
                 )
                 await request.reject(401, body=b"wrong or missing worker token\n")
+                await tls.aclose()
                 nursery.cancel_scope.cancel()
                 return
             try:
                 ws = await request.accept()
-            except (trio_websocket.ConnectionClosed, trio.BrokenResourceError) as exc:
+            except trio.BrokenResourceError as exc:
                 self._early.failed(
                     peer, source, f"tunnel closed while accepted: {exc}", trio.current_time()
                 )
@@ -754,7 +755,7 @@ class Controlplane:
                 return
             self.admissions.vouch(admission)
             conn = Http2Connection(
-                WebSocketStream(ws, tls),
+                ws,
                 client_side=True,
                 settings=self.config.http2,
                 keepalive=self.keepalive,

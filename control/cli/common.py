@@ -20,15 +20,11 @@ import trio
 from control.cli.client import ControlClient, open_control_client
 from control.cli.contexts import Given, Target, config_path, load, resolve_target
 from control.cli.output import isatty
+from control.cli.usage import CALL_TIMEOUT_S
 
 T = TypeVar("T")
-CALL_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.25
 """How often `levers9 run` asks for a starting task's state (for its progress line)."""
-DEFAULT_WAIT_S = 60.0
-EXIT_USAGE = 2
-EXIT_DEADLINE = 124
-EXIT_INTERRUPTED = 130
 STDIN_CHUNK_BYTES = 64 * 1024
 
 

@@ -44,10 +44,9 @@ from typing import Any
 
 import attrs
 import cattrs
-import yaml
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
-from control.cli.parse import CliError
+from control.cli.usage import CliError
 
 CONFIG_ENV = "LEVERS9_CONFIG"
 FILE_MODE = 0o600
@@ -199,22 +198,28 @@ def _structure_str(value: Any, _: Any) -> str:
 _CONVERTER = _make_converter()
 
 
-class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the CA's PEM) as literal blocks, as people write them."""
+def _dumper() -> type[Any]:
+    """A YAML dumper writing multi-line strings (the CA's PEM) as literal blocks, as people
+    write them."""
+    import yaml
 
+    class Dumper(yaml.SafeDumper):
+        pass
 
-def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    return dumper.represent_scalar(
-        "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None
-    )
+    def represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        return dumper.represent_scalar(
+            "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None
+        )
 
-
-_Dumper.add_representer(str, _represent_str)
+    Dumper.add_representer(str, represent_str)
+    return Dumper
 
 
 def parse(text: str, where: str) -> ContextsFile:
     """The contexts file's text → its model. Errors name `where` and the place, never a value
     (the file holds tokens)."""
+    import yaml  # here, not at the top: a command whose target comes from flags never reads YAML
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -264,7 +269,10 @@ def _problems(exc: Exception) -> str:
 def render(file: ContextsFile) -> str:
     data = _CONVERTER.unstructure(file)
     ordered = {"current-context": data.pop("current-context", None), **data}
-    return _HEADER + yaml.dump(ordered, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+    import yaml
+
+    text: str = yaml.dump(ordered, Dumper=_dumper(), sort_keys=False, default_flow_style=False)
+    return _HEADER + text
 
 
 # -- where it lives, reading and writing -----------------------------------------------------------

@@ -18,14 +18,13 @@ import trio
 from agent.api.models import ExecRequest, ExecResize
 from control.cli.client import ControlClient
 from control.cli.common import (
-    EXIT_INTERRUPTED,
     STDIN_CHUNK_BYTES,
     Interrupted,
     client_from_args,
     interruptible,
 )
 from control.cli.output import Console, has_fileno, isatty
-from control.cli.parse import UsageError
+from control.cli.usage import EXIT_INTERRUPTED, UsageError
 
 
 class FdReader:

@@ -32,7 +32,7 @@ from control.cli.contexts import (
     summaries,
 )
 from control.cli.output import isatty, show_list
-from control.cli.parse import CliError, UsageError
+from control.cli.usage import CliError, UsageError
 
 CONTEXT_HEADERS = ("current", "name", "controlplane", "ca")
 

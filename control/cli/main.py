@@ -20,32 +20,21 @@ at a terminal.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import (
-    Iterator,
-    Sequence,
-)
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import trio
-
 from agent import __version__
-from agent.wire.errors import ApiError
-from control.cli.client import ControlClientError
-from control.cli.cluster import cluster_join, cluster_leave, cluster_list
-from control.cli.common import (
+from control.cli.usage import (
     CALL_TIMEOUT_S,
     DEFAULT_WAIT_S,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
-    token_flag_warning,
+    CliError,
+    UsageError,
+    split_command,
 )
-from control.cli.exec import cmd_exec
-from control.cli.login import cmd_login, context_delete, context_list, context_use
-from control.cli.parse import CliError, UsageError, split_command
-from control.cli.port import cmd_port
-from control.cli.tasks import cmd_run, task_cancel, task_get, task_list, task_logs, task_snapshot
-from control.cli.workers import machine_list, worker_get, worker_list
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,19 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="the context's name (default: the URL's host)",
     )
-    login.set_defaults(func=cmd_login)
+    login.set_defaults(func="login:cmd_login")
 
     context = sub.add_parser("context", help="the contexts 'levers9 login' stored")
     xsub = context.add_subparsers(dest="action", required=True, metavar="ACTION")
     xls = xsub.add_parser("list", help="list contexts; * marks the current one")
     xls.add_argument("--json", action="store_true")
-    xls.set_defaults(func=context_list)
+    xls.set_defaults(func="login:context_list")
     xuse = xsub.add_parser("use", help="make a context the current one")
     xuse.add_argument("name", metavar="NAME")
-    xuse.set_defaults(func=context_use)
+    xuse.set_defaults(func="login:context_use")
     xdel = xsub.add_parser("delete", help="forget a context and its token")
     xdel.add_argument("name", metavar="NAME")
-    xdel.set_defaults(func=context_delete)
+    xdel.set_defaults(func="login:context_delete")
 
     run = sub.add_parser(
         "run",
@@ -151,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long to wait for the task to start before leaving it running (exit 124)",
     )
-    run.set_defaults(func=cmd_run, takes_command=True)
+    run.set_defaults(func="tasks:cmd_run", takes_command=True)
 
     task = sub.add_parser("task", help="tasks of your workspace")
     tsub = task.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -160,21 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--limit", default="100", metavar="N")
     tls.add_argument("--before", metavar="ID", help="the next page: tasks created before this one")
     tls.add_argument("--json", action="store_true")
-    tls.set_defaults(func=task_list)
+    tls.set_defaults(func="tasks:task_list")
     tget = tsub.add_parser("get", help="one task's details")
     tget.add_argument("task_id", metavar="ID")
     tget.add_argument("--json", action="store_true")
-    tget.set_defaults(func=task_get)
+    tget.set_defaults(func="tasks:task_get")
     tlogs = tsub.add_parser("logs", help="a task's output")
     tlogs.add_argument("task_id", metavar="ID")
     tlogs.add_argument("-f", "--follow", action="store_true", help="until the task ends")
-    tlogs.set_defaults(func=task_logs)
+    tlogs.set_defaults(func="tasks:task_logs")
     tcancel = tsub.add_parser("cancel", help="stop a task")
     tcancel.add_argument("task_id", metavar="ID")
-    tcancel.set_defaults(func=task_cancel)
+    tcancel.set_defaults(func="tasks:task_cancel")
     tsnap = tsub.add_parser("snapshot", help="keep a task's filesystem changes; prints a digest")
     tsnap.add_argument("task_id", metavar="ID")
-    tsnap.set_defaults(func=task_snapshot)
+    tsnap.set_defaults(func="tasks:task_snapshot")
 
     exec_ = sub.add_parser(
         "exec",
@@ -189,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a terminal (default: when stdin and stdout are terminals)",
     )
-    exec_.set_defaults(func=cmd_exec, takes_command=True)
+    exec_.set_defaults(func="exec:cmd_exec", takes_command=True)
 
     port = sub.add_parser("port", help="forward a local port to a port of a running task")
     port.add_argument("task_id", metavar="TASK")
@@ -199,22 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[HOST:]PORT",
         help="where to listen (default 127.0.0.1 and the same port; 0 = any free port)",
     )
-    port.set_defaults(func=cmd_port)
+    port.set_defaults(func="port:cmd_port")
 
     worker = sub.add_parser("worker", help="workers known to the controlplane")
     wsub = worker.add_subparsers(dest="action", required=True, metavar="ACTION")
     ls = wsub.add_parser("list", help="list workers")
     ls.add_argument("--json", action="store_true")
-    ls.set_defaults(func=worker_list)
+    ls.set_defaults(func="workers:worker_list")
     get = wsub.add_parser("get", help="ask one worker about itself (through its connection)")
     get.add_argument("worker_id")
     get.add_argument("--json", action="store_true")
-    get.set_defaults(func=worker_get)
+    get.set_defaults(func="workers:worker_get")
     machine = sub.add_parser("machine", help="machines: the pools' nodes that can take work")
     msub = machine.add_subparsers(dest="action", required=True, metavar="ACTION")
     mls = msub.add_parser("list", help="list machines with their free cards, CPU and memory")
     mls.add_argument("--json", action="store_true")
-    mls.set_defaults(func=machine_list)
+    mls.set_defaults(func="workers:machine_list")
 
     cluster = sub.add_parser("cluster", help="clusters whose nodes are pools (operator token)")
     csub = cluster.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -253,10 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     join.add_argument("--driver-path", help="the NVIDIA driver dir on the nodes")
     join.add_argument("--json", action="store_true")
-    join.set_defaults(func=cluster_join)
+    join.set_defaults(func="cluster:cluster_join")
     clist = csub.add_parser("list", help="list pools: configured and joined")
     clist.add_argument("--json", action="store_true")
-    clist.set_defaults(func=cluster_list)
+    clist.set_defaults(func="cluster:cluster_list")
     leave = csub.add_parser(
         "leave",
         help="remove a joined pool: its workers, then its access to the cluster",
@@ -272,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave the ServiceAccount and its roles on the cluster",
     )
-    leave.set_defaults(func=cluster_leave)
+    leave.set_defaults(func="cluster:cluster_leave")
     return parser
 
 
@@ -286,16 +275,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def _command(name: str) -> Any:
+    """The function a command names (``module:function`` under `control.cli`), imported now:
+    only the chosen command's module is loaded."""
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(f"control.cli.{module}"), function)
+
+
 def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             yield from _leaves(exc)
         else:
             yield exc
-
-
-def _api_message(exc: ApiError) -> str:
-    return f"{exc.code.name}: {exc.message}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -306,20 +298,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else 0
+    # Imported once a command is chosen: --help and usage errors never load them.
+    import trio
+
+    from agent.wire.errors import ApiError
+    from control.cli.client import ControlClientError
+    from control.cli.common import token_flag_warning
+
+    func = _command(args.func)
     warning = token_flag_warning(args, sys.stdin, sys.stderr)
     if warning is not None:
         print(f"levers9: {warning}", file=sys.stderr)
     code = 1
     messages: list[str] = []
     try:
-        code = trio.run(args.func, args) or 0
+        code = trio.run(func, args) or 0
     except* UsageError as group:
         messages += [str(e) for e in _leaves(group)]
         code = EXIT_USAGE
     except* (CliError, ControlClientError) as group:
         messages += [str(e) for e in _leaves(group)]
     except* ApiError as group:
-        messages += [_api_message(e) for e in _leaves(group) if isinstance(e, ApiError)]
+        messages += [
+            f"{e.code.name}: {e.message}" for e in _leaves(group) if isinstance(e, ApiError)
+        ]
     except* trio.TooSlowError:
         messages.append(f"DEADLINE_EXCEEDED: no answer within {CALL_TIMEOUT_S:g} s")
     except* KeyboardInterrupt:

@@ -14,17 +14,10 @@ from decimal import Decimal
 from typing import Any
 
 from agent.wire.errors import ApiError
+from control.cli.usage import UsageError
 from control.models import TaskRequest, TaskState, TaskVolume
 
 TASK_STATES = tuple(state.value for state in TaskState)
-
-
-class CliError(Exception):
-    pass
-
-
-class UsageError(CliError):
-    """The command line itself is wrong (exit 2)."""
 
 
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
@@ -198,15 +191,6 @@ def request_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> T
         timeout_s=None if args.timeout is None else parse_seconds(args.timeout, "--timeout"),
         snapshot=snapshot,
     )
-
-
-def split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
-    """The options before the first `--`, and the command after it (None without `--`)."""
-    argv = list(argv)
-    if "--" not in argv:
-        return argv, None
-    at = argv.index("--")
-    return argv[:at], argv[at + 1 :]
 
 
 POOL_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")

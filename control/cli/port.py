@@ -10,7 +10,8 @@ from agent.wire.errors import ApiError
 from control.cli.client import ControlClient
 from control.cli.common import client_from_args, interruptible, timed
 from control.cli.output import Console
-from control.cli.parse import CliError, parse_local, parse_port
+from control.cli.parse import parse_local, parse_port
+from control.cli.usage import CliError
 
 
 def _address(host: str, port: int) -> str:

@@ -14,8 +14,6 @@ import trio
 from agent.wire.errors import ApiError, unstructure
 from control.cli.client import ControlClient
 from control.cli.common import (
-    EXIT_DEADLINE,
-    EXIT_INTERRUPTED,
     POLL_INTERVAL_S,
     Interrupted,
     client_from_args,
@@ -34,6 +32,7 @@ from control.cli.output import (
     task_row,
 )
 from control.cli.parse import parse_count, parse_seconds, parse_states, request_from_args
+from control.cli.usage import EXIT_DEADLINE, EXIT_INTERRUPTED
 from control.models import TaskState, TaskView
 
 

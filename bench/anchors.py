@@ -225,6 +225,12 @@ def ssh_reverse_command(sshd: Sshd, public_port: int, target_port: int) -> list[
     """The ``ssh -R`` command line: no user config, only our key, no questions, no remote command,
     and exit if the forward cannot be set up.
     """
+    forward = f"127.0.0.1:{public_port}:127.0.0.1:{target_port}"
+    return ssh_forward_command(sshd, "-R", forward)
+
+
+def ssh_forward_command(sshd: Sshd, flag: str, forward: str) -> list[str]:
+    """``ssh`` with one forward (``-R`` or ``-L`` and its spec) to `sshd` and nothing else."""
     command = ["ssh", "-F", "/dev/null", "-i", str(sshd.client_key_path)]
     for option in (
         "IdentitiesOnly=yes",
@@ -234,8 +240,7 @@ def ssh_reverse_command(sshd: Sshd, public_port: int, target_port: int) -> list[
         "BatchMode=yes",
     ):
         command += ["-o", option]
-    forward = f"127.0.0.1:{public_port}:127.0.0.1:{target_port}"
-    return [*command, "-p", str(sshd.port), "-N", "-R", forward, f"{sshd.user}@127.0.0.1"]
+    return [*command, "-p", str(sshd.port), "-N", flag, forward, f"{sshd.user}@127.0.0.1"]
 
 
 def _open_log(path: Path) -> int:
@@ -329,6 +334,29 @@ async def open_ssh_reverse_tunnel(sshd: Sshd, target_port: int) -> AsyncIterator
         public_port = await _wait_allocated_port(process, log_path)
         await wait_accepting(public_port, process, log_path)
         yield public_port
+    finally:
+        await _stop(process)
+
+
+@asynccontextmanager
+async def open_ssh_local_forward(sshd: Sshd, host: str, port: int) -> AsyncIterator[int]:
+    """``ssh -L``: ssh listens on a local port and forwards each connection over one SSH
+    connection to sshd, which connects to `host`:`port`. Yields the local port."""
+    local_port = _free_port()
+    log_path = sshd.workdir / f"ssh-L-{port}.log"
+    log_fd = _open_log(log_path)
+    try:
+        process = await trio.lowlevel.open_process(
+            ssh_forward_command(sshd, "-L", f"127.0.0.1:{local_port}:{host}:{port}"),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log_fd,
+        )
+    finally:
+        os.close(log_fd)
+    try:
+        await wait_accepting(local_port, process, log_path)
+        yield local_port
     finally:
         await _stop(process)
 

@@ -33,9 +33,21 @@ FIGURES = (
     "cli_startup_s",
     "endpoint_rps_tunnel",
     "endpoint_p99_ms_tunnel",
+    "sse_gap_p99_ms_tunnel",
 )
-ANCHORS = ("runc_first_log_s", "endpoint_rps_direct", "endpoint_p99_ms_direct")
-RATIOS = ("first_log_vs_runc", "endpoint_rps_tunnel_vs_direct")
+ANCHORS = (
+    "runc_first_log_s",
+    "endpoint_rps_direct",
+    "endpoint_p99_ms_direct",
+    "endpoint_rps_ssh",
+    "sse_gap_p99_ms_direct",
+)
+RATIOS = (
+    "first_log_vs_runc",
+    "endpoint_rps_tunnel_vs_direct",
+    "endpoint_rps_tunnel_vs_ssh",
+    "sse_p99_gap_tunnel_vs_direct",
+)
 RUN_DEADLINE_S = 300
 STOP_GRACE_S = 60
 

@@ -22,7 +22,14 @@ import trio.testing
 from agent.wire.client import ApiClient, open_api_client
 from agent.wire.connection import Http2Connection, header_value
 from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import Request, Router, Service, StreamResponse, bearer_auth
+from agent.wire.service import (
+    BytesResponse,
+    Request,
+    Router,
+    Service,
+    StreamResponse,
+    bearer_auth,
+)
 from control.api.endpoints import (
     DEFAULT_CONTENT_TYPE,
     EndpointProxy,
@@ -194,7 +201,7 @@ async def harness(nursery: trio.Nursery) -> AsyncIterator[Harness]:
             harness.opened += 1
             return await trio.open_tcp_stream("127.0.0.1", upstream.port)
 
-        async def to_port(request: Request) -> StreamResponse:
+        async def to_port(request: Request) -> StreamResponse | BytesResponse:
             raw_path = header_value(request.stream.headers or [], b":path") or b"/"
             return await proxy.forward(
                 request,
@@ -203,7 +210,7 @@ async def harness(nursery: trio.Nursery) -> AsyncIterator[Harness]:
                 open_stream=open_upstream,
             )
 
-        async def unreachable(request: Request) -> StreamResponse:
+        async def unreachable(request: Request) -> StreamResponse | BytesResponse:
             async def gone() -> trio.abc.HalfCloseableStream:
                 raise ApiError(ErrorCode.UNAVAILABLE, "worker w-9 is not connected")
 
@@ -447,7 +454,7 @@ async def test_an_unreachable_port_is_unavailable(nursery: trio.Nursery) -> None
     )
     router = Router()
 
-    async def handler(request: Request) -> StreamResponse:
+    async def handler(request: Request) -> StreamResponse | BytesResponse:
         return await proxy.forward(request, key=("w", "t", port), target="/", open_stream=opener)
 
     router.add("GET", "/x", handler)

@@ -236,7 +236,11 @@ class H2Stream:
             parts.append(chunk)
         return b"".join(parts)
 
-    async def send_headers(self, headers: Headers, *, end_stream: bool = False) -> None:
+    async def send_headers(
+        self, headers: Headers, *, end_stream: bool = False, flush: bool = True
+    ) -> None:
+        """Send the headers (or trailers). With ``flush=False`` they wait for the body's first
+        bytes (`send_data` or `end` right after), so a whole small response is one write."""
         self._check_send()
         with self._conn._h2_errors(self):
             self._conn._proto.h2.send_headers(self.stream_id, headers, end_stream=end_stream)
@@ -244,7 +248,10 @@ class H2Stream:
         if end_stream:
             self._sent_end = True
             self._conn._settle(self)
-        await self._conn._flush()
+        if flush or end_stream:
+            await self._conn._flush()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
 
     async def send_data(self, data: bytes, *, end_stream: bool = False) -> None:
         """Send body bytes, waiting for flow-control window as needed."""
@@ -260,6 +267,8 @@ class H2Stream:
                 if window <= 0:
                     if self._error is not None:
                         raise self._error
+                    # Headers queued without a flush go out before we wait.
+                    await self._conn._flush()
                     self._conn._blocked.add(self)
                     try:
                         await self._window_lot.park()

@@ -468,19 +468,25 @@ class Service:
                     (b"date", _date()),
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
-                ]
+                ],
+                flush=False,
             )
             await stream.send_data(body, end_stream=True)
             return
         if isinstance(response, BytesResponse):
+            # Head and body in one write. A proxied answer keeps its origin's Date, and its
+            # Content-Length (a HEAD's, which has no body).
+            names = {k.lower() for k, _ in response.headers}
             whole: Headers = [
                 (b":status", str(response.status).encode()),
-                (b"date", _date()),
                 (b"content-type", response.content_type.encode()),
-                (b"content-length", str(len(response.body)).encode()),
             ]
+            if "date" not in names:
+                whole.append((b"date", _date()))
+            if "content-length" not in names:
+                whole.append((b"content-length", str(len(response.body)).encode()))
             whole += [(k.lower().encode(), v.encode()) for k, v in response.headers]
-            await stream.send_headers(whole)
+            await stream.send_headers(whole, flush=False)
             await stream.send_data(response.body, end_stream=True)
             return
         head: Headers = [

@@ -29,7 +29,7 @@ import trio
 
 from agent.wire.connection import H2Stream
 from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import Request, StreamResponse
+from agent.wire.service import BytesResponse, Request, StreamResponse
 
 log = logging.getLogger("levers9.endpoints")
 
@@ -355,7 +355,7 @@ class EndpointProxy:
         target: str,
         open_stream: Callable[[], Awaitable[trio.abc.HalfCloseableStream]],
         label: str = "",
-    ) -> StreamResponse:
+    ) -> StreamResponse | BytesResponse:
         """Send `request` to the upstream as `<method> <target> HTTP/1.1` and return its
         response, the body streamed. `key` picks the pool of kept connections (e.g. (worker,
         task, port)); `open_stream` opens a new byte stream when none is kept; `label` names
@@ -579,7 +579,7 @@ class EndpointProxy:
         upstream: _Upstream,
         head: h11.Response,
         exchange: _Exchange,
-    ) -> StreamResponse:
+    ) -> StreamResponse | BytesResponse:
         response = plan_response(
             head.status_code,
             [(k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers],
@@ -603,13 +603,15 @@ class EndpointProxy:
                 ErrorCode.UNAVAILABLE, f"{name} sent a malformed response body: {exc}"
             ) from None
         if complete:
+            # The whole answer is here: sent as one write, head and body together.
             await self._release(key, upstream)
+            return BytesResponse(
+                b"".join(ready), response.content_type, response.status, response.headers
+            )
 
         async def chunks() -> AsyncGenerator[bytes, None]:
             for piece in ready:
                 yield piece
-            if complete:
-                return
             finished = False
             try:
                 while True:

@@ -28,7 +28,14 @@ from agent.api.models import VolumeSpec
 from agent.api.reference import parse_reference
 from agent.wire.errors import ApiError, ErrorCode, dumps
 from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
-from agent.wire.service import Dialer, JsonResponse, Request, Router, StreamResponse
+from agent.wire.service import (
+    BytesResponse,
+    Dialer,
+    JsonResponse,
+    Request,
+    Router,
+    StreamResponse,
+)
 from control.api.endpoints import EndpointProxy, upstream_target
 from control.models import TaskList, TaskRequest, TaskSnapshot, TaskState, TaskView
 from control.tasks.dispatch import SCHEDULE_EVERY_S, Dispatcher, WorkerLost
@@ -319,7 +326,7 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
         finally:
             await upstream.aclose()
 
-    async def endpoint(request: Request) -> StreamResponse:
+    async def endpoint(request: Request) -> StreamResponse | BytesResponse:
         workspace = workspace_of(request.principal)
         record = await dispatcher.running_record(workspace, request.params["id"])
         port_text = request.params["port"]

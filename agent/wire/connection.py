@@ -200,13 +200,16 @@ class H2Stream:
             raise trio.BusyResourceError("another task is already receiving on this stream")
         self._receiving = True
         try:
+            parked = False
             while not self._chunks:
                 if self._error is not None and not self._eof:
                     raise self._error
                 if self._eof:
-                    await trio.lowlevel.checkpoint()
+                    if not parked:
+                        await trio.lowlevel.checkpoint()
                     return b""
                 await self._readable.park()
+                parked = True
             data, flow = self._chunks[0]
             if max_bytes is not None and len(data) > max_bytes:
                 head, rest = data[:max_bytes], data[max_bytes:]
@@ -219,6 +222,9 @@ class H2Stream:
                 acked = flow
             self._buffered -= len(data)
             self._conn._proto.acknowledge(self.stream_id, acked)
+            if parked and not self._conn._proto.has_data_to_send():
+                # Waiting was this call's checkpoint; no WINDOW_UPDATE is due.
+                return data
             await self._conn._flush()
             return data
         finally:
@@ -267,8 +273,12 @@ class H2Stream:
                 if window <= 0:
                     if self._error is not None:
                         raise self._error
-                    # Headers queued without a flush go out before we wait.
-                    await self._conn._flush()
+                    if self._conn._proto.has_data_to_send():
+                        # Headers queued without a flush go out before we wait; the window
+                        # may open meanwhile, so it is looked at again before parking.
+                        await self._conn._flush()
+                        self._check_send()
+                        continue
                     self._conn._blocked.add(self)
                     try:
                         await self._window_lot.park()

@@ -251,6 +251,9 @@ class TLSStream(trio.abc.Stream):
             # Checkpoint now, before any plaintext is taken out of the SSLObject: a cancellation
             # after that point would lose it.
             await trio.lowlevel.checkpoint_if_cancelled()
+            # A receive from the transport is a checkpoint (a scheduler pass) of its own; after
+            # one, the plaintext is handed out without a second.
+            received = False
             while True:
                 self._check_usable()
                 # Ciphertext is never smaller than the plaintext it carries, so this bounds what
@@ -261,15 +264,17 @@ class TLSStream(trio.abc.Stream):
                     if plaintext:
                         if self._outgoing.pending:
                             await self._flush_if_lock_free()
-                        else:
+                        elif not received:
                             await trio.lowlevel.cancel_shielded_checkpoint()
                         return plaintext
                 if self._eof:
-                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    if not received:
+                        await trio.lowlevel.cancel_shielded_checkpoint()
                     return b""
                 if self._outgoing.pending:
                     await self._flush_if_lock_free()
                 data = await self._transport_receive()
+                received = True
                 if not data:
                     # No close_notify: treated as a clean EOF (see the module docstring).
                     self._eof = True

@@ -89,6 +89,9 @@ const sleep = (ms, signal) => new Promise((resolve) => {
 // and says why on `onTrouble` meanwhile. Ends when the stream ends on its own.
 // `onOpen` is called before each (re)opening: a follow stream starts from the beginning again.
 async function keepStreaming(path, onItem, onTrouble, signal, onOpen = () => {}) {
+  // A blip (the browser's network changed, a replica drained) is bridged at once; a worker
+  // that stays away is asked again every 2 s.
+  let delay = 250;
   for (;;) {
     try {
       onOpen();
@@ -102,7 +105,8 @@ async function keepStreaming(path, onItem, onTrouble, signal, onOpen = () => {})
         return;
       }
       onTrouble(error);
-      await sleep(2000, signal);
+      await sleep(delay, signal);
+      delay = Math.min(delay * 2, 2000);
     }
   }
 }

@@ -22,8 +22,10 @@ import trio.testing
 from agent.wire.client import ApiClient, open_api_client
 from agent.wire.connection import Http2Connection, header_value
 from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.http2 import Http2Settings
 from agent.wire.service import (
     BytesResponse,
+    ConnectPolicy,
     Request,
     Router,
     Service,
@@ -61,8 +63,9 @@ class Seen:
 
 @attrs.define
 class Upstream:
-    """Answers by path: /close, /garbage, /cut, /chunked, /upload, /reject, /bye; any other
-    path echoes the request as JSON. Counts the connections it accepted."""
+    """Answers by path: /close, /garbage, /cut, /chunked, /upload, /reject, /bye, /last (with
+    Connection: close); any other path echoes the request as JSON. Counts the connections it
+    accepted."""
 
     port: int = 0
     connections: int = 0
@@ -129,6 +132,9 @@ class Upstream:
                         ("x-hop", "only for this connection"),
                         ("keep-alive", "timeout=5"),
                     ]
+                    if path == "/last":
+                        extra = [h for h in extra if h[0] not in ("connection", "keep-alive")]
+                        extra.append(("connection", "close"))
                     await _respond(
                         stream,
                         http,
@@ -139,6 +145,8 @@ class Upstream:
                     )
                 if path == "/bye":
                     return  # closed while the client keeps it for reuse, as idle timeouts do
+                if path == "/last":
+                    return  # answered with Connection: close (below), then closed
                 if http.our_state is not h11.DONE or http.their_state is not h11.DONE:
                     return
                 http.start_next_cycle()
@@ -598,3 +606,52 @@ def test_upstream_target_keeps_the_rest_of_the_path_and_the_query() -> None:
 def test_forwarded_value_quotes_what_is_not_a_token() -> None:
     assert forwarded_value("example.com") == "host=example.com;proto=https"
     assert forwarded_value("[::1]:8443") == 'host="[::1]:8443";proto=https'
+
+
+async def test_closing_upstreams_end_their_streams_without_resets(
+    harness: Harness, nursery: trio.Nursery
+) -> None:
+    """Each answer of an upstream that closes its connection ends its CONNECT stream as the
+    upstream ends it, never with RST_STREAM: a worker takes a stream of resets for a flood and
+    ends the whole connection (here after 5 in its window; 2000 by default)."""
+    strict = Http2Settings(max_resets_per_window=5)
+    worker_side, controlplane_side = trio.testing.memory_stream_pair()
+    worker = Http2Connection(
+        worker_side,
+        client_side=False,
+        settings=strict,
+        handler=Service(
+            Router(),
+            authenticate=bearer_auth(TOKEN),
+            connect_policy=ConnectPolicy(loopback=True),
+        ),
+    )
+    nursery.start_soon(worker.run)
+    async with open_api_client(
+        controlplane_side, ApiClient, token=TOKEN, authority="w-strict"
+    ) as to_worker:
+        proxy = EndpointProxy()
+        router = Router()
+
+        async def to_port(request: Request) -> StreamResponse | BytesResponse:
+            return await proxy.forward(
+                request,
+                key=("w-strict", "t-1", harness.upstream.port),
+                target="/last",
+                open_stream=lambda: to_worker.connect(f"127.0.0.1:{harness.upstream.port}"),
+            )
+
+        router.add("GET", "/bye", to_port)
+        front_side, client_side = trio.testing.memory_stream_pair()
+        front = Http2Connection(
+            front_side, client_side=False, handler=Service(router, authenticate=bearer_auth(TOKEN))
+        )
+        nursery.start_soon(front.run)
+        async with open_api_client(
+            client_side, ApiClient, token=TOKEN, authority=AUTHORITY
+        ) as client:
+            for _ in range(20):
+                await _get_json(client, "/bye")
+        await proxy.aclose()
+    assert worker.close_reason is None or "RST_STREAM" not in worker.close_reason
+    assert harness.upstream.connections == 20

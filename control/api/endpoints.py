@@ -34,6 +34,9 @@ from agent.wire.service import BytesResponse, Request, StreamResponse
 log = logging.getLogger("levers9.endpoints")
 
 READ_BYTES = 64 * 1024
+FINISH_WAIT_S = 0.5
+"""How long a finished connection's upstream is given to end its side before the stream is
+reset instead."""
 REPLAY_LIMIT_BYTES = 64 * 1024
 """Request body bytes kept while a reused connection has not answered, so the request can be
 sent again on a fresh one; a longer body on a dead connection is not retried."""
@@ -259,6 +262,22 @@ class _Upstream:
     """False once a request on it was cut off: h11 may think it complete, the wire may not."""
 
     async def aclose(self) -> None:
+        """Close at once: the stream is reset when its end has not come (an abandoned
+        request)."""
+        await trio.aclose_forcefully(self.stream)
+
+    async def finish(self) -> None:
+        """Close after a whole exchange: our side ends, and the upstream's end (it closes a
+        connection it answered with `Connection: close`, or on our EOF) is waited for, briefly,
+        so the stream ends without a reset. A reset per request is what a flood of resets
+        looks like to the worker, which ends the whole connection past its limit."""
+        with trio.move_on_after(FINISH_WAIT_S):
+            try:
+                await self.stream.send_eof()
+                while await self.stream.receive_some(READ_BYTES):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
         await trio.aclose_forcefully(self.stream)
 
     async def next_event(self) -> h11.Event:
@@ -448,7 +467,7 @@ class EndpointProxy:
                 return
             if not idle:
                 del self._idle[key]
-        await upstream.aclose()
+        await upstream.finish()
 
     async def _open(
         self, open_stream: Callable[[], Awaitable[trio.abc.HalfCloseableStream]], name: str

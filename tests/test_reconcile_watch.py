@@ -22,6 +22,7 @@ from sim.kubeapi.store import KubeStandin
 from tests.test_pool_reconcile import (
     cards,
     gpu_node,
+    gpu_request,
     jobs_created,
     pool_block,
     reconciler,
@@ -144,6 +145,25 @@ async def test_the_pod_cache_keeps_only_live_pods_bound_to_the_pools_nodes(
         kube.set_pod_phase("on-in", "Succeeded")
         await until(r, lambda: not r.caches.pods.items)
         assert [m.cards.free for m in r.status.machines] == [4]
+
+
+async def test_a_node_that_enters_later_is_planned_only_once_its_pods_are_listed(
+    kube: KubeStandin,
+) -> None:
+    # A node labelled into the pool after the pod cache's first list has its pods listed on
+    # their own; that listing is held up here. Planned before it, all four cards look free and
+    # the worker's Job asks for four, which the neighbour's three leave it never to get.
+    run_pods_of_jobs(kube)
+    kube.add_node(gpu_node("in-1"))
+    kube.add_node(gpu_node("late-1", labels={"levers9.dev/test-pool": "other"}))
+    kube.add_pod(make_pod("neighbour", "late-1", gpu_limit=3))
+    async with reconciler(kube) as r:
+        await until(r, lambda: len(kube.jobs()) == 1)
+        kube.inject_fault("delay", path_prefix="/api/v1/pods", verb="list", delay_s=2.0)
+        kube.update("nodes", gpu_node("late-1"))
+        await until(r, lambda: len(kube.jobs()) == 2, timeout_s=30)
+    late = [job for job in kube.jobs() if "late-1" in job["metadata"]["name"]]
+    assert [gpu_request(job) for job in late] == ["1"]
 
 
 async def test_a_neighbour_scaling_down_shows_in_machine_list_long_before_the_period(

@@ -82,6 +82,8 @@ class PoolCaches:
     pods: Informer[PodFacts]
     jobs: Informer[JobFacts]
     secrets: Informer[str]
+    cluster: ClusterCaches | None = None
+    """Whose pod cache this is: it says which nodes' pods are still being listed."""
 
     def all(self) -> tuple[Informer[Any], ...]:
         return (self.nodes, self.pods, self.jobs, self.secrets)
@@ -104,6 +106,9 @@ class ClusterCaches:
         self._running: dict[tuple[str, str], _Running] = {}
         self._node_refs: Counter[str] = Counter()
         self._to_fill: set[str] = set()
+        self._unlisted: set[str] = set()
+        """Nodes that entered after the pod cache's first list, their pods not listed yet."""
+        self._filled = trio.Event()
         self._fill_wanted = trio.Event()
         self._pods: Informer[PodFacts] | None = None
         self._filler: trio.CancelScope | None = None
@@ -161,7 +166,7 @@ class ClusterCaches:
             label=self.label,
         )
         secrets = (await self._start(("secrets", namespace), secrets)).informer
-        return PoolCaches(nodes, pods, jobs, secrets)
+        return PoolCaches(nodes, pods, jobs, secrets, cluster=self)
 
     def release(self, caches: PoolCaches) -> None:
         """One pool stopped reading these; a cache no pool reads stops."""
@@ -175,9 +180,20 @@ class ClusterCaches:
                         self._forget_nodes(running.informer.items)
         if self._pods is not None and ("pods", "") not in self._running:
             self._pods = None
+            self._unlisted.clear()
             if self._filler is not None:
                 self._filler.cancel()
                 self._filler = None
+
+    def unlisted(self, nodes: Iterable[str]) -> set[str]:
+        """Those of `nodes` whose pods the pod cache has not listed yet: a node that enters
+        after its first list (a pool joined later, a node newly labelled) has its pods listed
+        on its own, a moment later. Until then its cards all look free."""
+        return {node for node in nodes if node in self._unlisted}
+
+    async def wait_listed(self) -> None:
+        """Until the next listing of entered nodes' pods is done."""
+        await self._filled.wait()
 
     async def nodes_listed(self) -> None:
         """Returns once the node caches have listed their nodes (or failed to)."""
@@ -209,6 +225,7 @@ class ClusterCaches:
                     left.discard(change.key)
                     if self._pods is not None and self._pods.synced.is_set():
                         self._to_fill.add(change.key)
+                        self._unlisted.add(change.key)
                         self._fill_wanted.set()
             elif change.old is not None and change.new is None:
                 self._unref(change.key, left)
@@ -219,6 +236,7 @@ class ClusterCaches:
         if self._node_refs[node] <= 0:
             del self._node_refs[node]
             self._to_fill.discard(node)
+            self._unlisted.discard(node)
             left.add(node)
 
     def _forget_nodes(self, nodes: Iterable[str]) -> None:
@@ -248,6 +266,9 @@ class ClusterCaches:
                             if node in self._node_refs:
                                 await pods.fill(f"spec.nodeName={node}")
                     state = BackoffState()
+                    self._unlisted.difference_update(nodes)
+                    self._filled.set()
+                    self._filled = trio.Event()
                 except KubeError as exc:
                     self._to_fill.update(n for n in nodes if n in self._node_refs)
                     self._fill_wanted.set()

@@ -33,7 +33,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import attrs
 import trio
@@ -135,6 +135,8 @@ FAILED_CAP_S = 120.0
 EVENT_WAIT_S = 5.0
 """The longest a pass waits to record an Event (advisory: a struggling API server must not
 hold up the pass)."""
+PODS_LISTED_WAIT_S = 10.0
+"""How long a pass waits for the pods of nodes that just entered to be listed."""
 
 
 def next_pass_in_s(plan: Plan | None, reconcile_seconds: float) -> float:
@@ -351,6 +353,7 @@ class PoolReconciler:
             await self.kube.ensure_namespace(namespace)
             self._namespace_ready = True
         nodes = self.caches.nodes.items
+        await self._pods_listed(nodes)
         counts.nodes = len(nodes)
         pods = [pod for pod in self.caches.pods.items.values() if pod.node in nodes]
         counts.pods = len(pods)
@@ -371,6 +374,25 @@ class PoolReconciler:
                 await self._delete(action)
                 counts.jobs_deleted += 1
         return plan
+
+    async def _pods_listed(self, nodes: Iterable[str]) -> None:
+        """Wait (briefly) for the pods of nodes that entered after the pod cache's first list:
+        planned before they are listed, a node's cards would all look free, and its worker Job
+        would ask for cards another pod holds and never be scheduled. Past the wait the pass
+        fails, as one on a cache that has not listed yet does, and is tried again."""
+        cluster = self.caches.cluster
+        if cluster is None:
+            return
+        with trio.move_on_after(PODS_LISTED_WAIT_S):
+            while cluster.unlisted(nodes):
+                await cluster.wait_listed()
+        missing = sorted(cluster.unlisted(nodes))
+        if missing:
+            raise KubeError(
+                ErrorCode.UNAVAILABLE,
+                f"pool {self.settings.name}: the pods of node(s) {', '.join(missing[:3])} are "
+                "not listed yet",
+            )
 
     async def _adopt_tokens(self, jobs: list[JobFacts]) -> None:
         """A Job started before this controlplane (re)started: take its worker's token from

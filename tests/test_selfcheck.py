@@ -27,6 +27,7 @@ from agent.daemon.selfcheck import (
     main_self_check,
     objects_section,
     privileges_check,
+    rclone_check,
     read_settings,
     render_json,
     render_table,
@@ -87,6 +88,21 @@ def test_self_check_end_to_end_on_a_healthy_node(
     assert checks["device nodes"]["status"] == "ok"
     assert "nvidia0, nvidia1, nvidiactl" in checks["device nodes"]["reason"]
     assert checks["driver directory"]["status"] == "ok"
+    assert checks["rclone"]["status"] == "ok"
+    assert checks["rclone"]["reason"].startswith("rclone 1.75")
+
+
+def test_the_rclone_check_says_the_version_and_warns_of_an_old_one(tmp_path: Path) -> None:
+    old = tmp_path / "rclone"
+    old.write_text("#!/bin/sh\necho 'rclone v1.60.1-DEV'\n")
+    old.chmod(0o755)
+    warned = rclone_check(str(old))
+    assert warned.status is Status.WARN
+    assert "rclone 1.60.1" in warned.reason and "older than 1.75" in warned.reason
+    assert "LEVERS9_RCLONE" in warned.action
+    missing = rclone_check(str(tmp_path / "nowhere"))
+    assert missing.status is Status.FAIL
+    assert "does not run" in missing.reason
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the container checks expect root (CI runs as root)")

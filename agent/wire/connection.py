@@ -104,6 +104,12 @@ def header_value(headers: Headers, name: bytes) -> bytes | None:
     return None
 
 
+COALESCE_BELOW_BYTES = 16 * 1024
+"""A flush of fewer queued bytes than this, on a connection with other streams open, first lets
+those streams queue theirs, so small frames share a write; a bulk transfer's writes, already
+large, go at once (waiting to gather several would only make them burstier)."""
+
+
 class H2Stream:
     """One HTTP/2 stream: headers, a flow-controlled body in each direction, trailers."""
 
@@ -768,7 +774,7 @@ class Http2Connection:
             await trio.lowlevel.checkpoint()
             return
         try:
-            if len(self._streams) > 1:
+            if len(self._streams) > 1 and self._proto.queued_bytes() < COALESCE_BELOW_BYTES:
                 # Other streams' tasks may queue frames in this same scheduler batch (16
                 # requests answered at once): let them, so that all of it leaves in this one
                 # write, one TLS record and one system call where there were several. A flush

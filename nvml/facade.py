@@ -16,8 +16,10 @@ waits for XIDs).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -506,13 +508,38 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+DRIVER_LIBRARY = "libnvidia-ml.so.1"
+_DRIVER_LIBRARY_DIRS = ("lib64", "lib")
+
+
+def load_driver_library(driver_dir: Path) -> Path | None:
+    """Loads `driver_dir`'s own libnvidia-ml.so.1 (from its lib64 or lib), if it has one, so that
+    pynvml's later load by soname finds that library; returns its path.
+
+    The worker Job mounts the node's driver directory but nothing puts its lib64 on the
+    loader's path (GKE's device plugin sets no LD_LIBRARY_PATH and the worker image has none),
+    so without this the agent in its image finds no NVML on a node that has one."""
+    for name in _DRIVER_LIBRARY_DIRS:
+        path = driver_dir / name / DRIVER_LIBRARY
+        if path.is_file():
+            try:
+                ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                return None  # nvmlInit then says the library was not found, and what to do
+            return path
+    return None
+
+
 @contextlib.contextmanager
-def open_nvml() -> Iterator[Nvml]:
-    """An NVML session: initialised on entry, shut down on exit.
+def open_nvml(driver_dir: Path | None = None) -> Iterator[Nvml]:
+    """An NVML session: initialised on entry, shut down on exit; the library is the one in
+    `driver_dir` when it has one (`load_driver_library`), else the loader's.
 
     Raises NvmlUnavailableError, naming what is missing and what to do, when NVML cannot be used
     here (no driver library, no kernel driver, mismatched versions, no permission).
     """
+    if driver_dir is not None:
+        load_driver_library(driver_dir)
     lib = _import_pynvml()
     try:
         lib.nvmlInit()

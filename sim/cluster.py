@@ -36,10 +36,11 @@ from control.cli.client import ControlClient, open_control_client
 from control.config import ControlConfig, parse
 from sim.configs import Pki, make_pki
 from sim.kubeapi.store import KubeStandin
-from sim.kubelet import SimNode, SimulatedKubelet
+from sim.kubelet import Runtime, SimNode, SimulatedKubelet
 
 REPO = Path(__file__).resolve().parents[1]
 POOL_LABEL = "levers9.dev/demo-pool"
+WORKER_IMAGE = "registry.example.test/levers9/worker:latest"
 
 
 @attrs.frozen
@@ -50,6 +51,8 @@ class PoolSpec:
     tunnel: bool = False
     in_cluster: bool = False
     """The controlplane's own cluster, reached with its pod's ServiceAccount."""
+    image: str = WORKER_IMAGE
+    """The worker image its Jobs run (pulled only by a kubelet with `runtime="image"`)."""
 
     def block(self, kube: KubeStandin) -> dict[str, Any]:
         if self.in_cluster:
@@ -60,7 +63,7 @@ class PoolSpec:
                     "inCluster": True,
                     "flavor": "generic",
                     "namespace": "levers9",
-                    "image": "registry.example.test/levers9/worker:latest",
+                    "image": self.image,
                     "selector": {POOL_LABEL: self.name},
                     "tunnel": self.tunnel,
                     "hostNetwork": not self.tunnel,
@@ -76,7 +79,7 @@ class PoolSpec:
                 "caData": base64.b64encode(kube.ca_pem).decode(),
                 "credentials": {"token": kube.token},
                 "namespace": "levers9",
-                "image": "registry.example.test/levers9/worker:latest",
+                "image": self.image,
                 "selector": {POOL_LABEL: self.name},
                 "tunnel": self.tunnel,
                 "hostNetwork": not self.tunnel,
@@ -364,9 +367,15 @@ async def open_cluster(
     joined_pools: Mapping[str, Any] | None = None,
     database: Mapping[str, Any] | None = None,
     extra_config: Mapping[str, Any] | None = None,
+    runtime: Runtime = "process",
+    service_ports: Sequence[int] = (),
 ) -> AsyncIterator[Cluster]:
     """Nodes are (node, pool name) pairs; `database` is the values' database block (the SQLite
-    file under `root` by default); `extra_config` adds blocks of the values' `config`. The
+    file under `root` by default); `extra_config` adds blocks of the values' `config`.
+    `runtime="image"` runs each worker from its pool's image (see `SimulatedKubelet`), from a
+    registry on loopback (plain HTTP), with the controlplane's CA file at the same path; a pod
+    with a network of its own reaches the controlplane's port and `service_ports` (a
+    registry's) on its own 127.0.0.1, as through a Service. The
     kubelet starts before the controlplane so the nodes are there for its first reconcile;
     everything stops when the block ends."""
     root.mkdir(parents=True, exist_ok=True)
@@ -395,7 +404,14 @@ async def open_cluster(
         attrs.evolve(node, labels={**node.labels, POOL_LABEL: pool}) for node, pool in nodes
     ]
     kubelet = SimulatedKubelet(
-        kube, root / "kubelet", labelled, extra_env=agent_environment(agent_env)
+        kube,
+        root / "kubelet",
+        labelled,
+        extra_env=agent_environment(agent_env),
+        runtime=runtime,
+        host_files=[pki.ca_file],
+        image_tls_verify=False,
+        service_ports=[port, *service_ports],
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(kubelet.run)

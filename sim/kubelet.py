@@ -21,6 +21,11 @@ Design choices:
 - Every agent is a child of a task in the nursery `run` owns; when `run` is cancelled each one
   gets SIGTERM and, after its pod's grace period, SIGKILL, all at once, and `run` returns once
   all have exited.
+- `runtime="image"` runs the Job's container from the image it names instead (`sim.pods`:
+  pulled, unpacked and run with runc, privileged, with the Job's hostPath volumes resolved on the
+  simulated node by `host_source`). The node then looks like a real one from inside: the driver
+  directory holds the stand-in libnvidia-ml.so.1 in lib64, /dev has the basic devices, and only
+  what the Job asks for is given (no LEVERS9_* of this process).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import binascii
 import logging
 import os
 import secrets
+import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -40,6 +47,7 @@ from typing import IO, Any, Literal
 import attrs
 import trio
 
+from nvml.standin import ENV_VAR as NVML_ENV
 from nvml.standin import (
     build_standin,
     make_device_nodes,
@@ -48,9 +56,19 @@ from nvml.standin import (
     standin_environ,
     write_node,
 )
+from sim import pods
 from sim.kubeapi.model import KubeError, Obj
 from sim.kubeapi.objects import job_node, make_node
 from sim.kubeapi.store import KubeStandin
+from sim.pods import (
+    BASIC_DEVICES,
+    Mount,
+    PodRuntimeError,
+    container_argv,
+    container_env,
+    pod_config,
+    runc_id,
+)
 
 log = logging.getLogger("levers9.sim.kubelet")
 
@@ -100,6 +118,14 @@ MAX_NODES = 8
 """Each node gets a /20 of 169.254.128.0/17 for its container network; eight of them fit."""
 HOST_IP = "127.0.0.1"
 _PASSED_OVER = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "POD_NAME", "POD_NAMESPACE")
+POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
+DRIVER_DIRS = ("/home/kubernetes/bin/nvidia", "/usr/local/nvidia")
+"""Where GKE and the NVIDIA operator put the driver on a node; both are the node's driver dir."""
+STATE_DIR = "/var/lib/levers9"
+NVML_DESCRIPTION = "/etc/levers9-sim/nvml.json"
+"""Where an image-run pod sees its node's stand-in NVML description (the stand-in's own knob,
+standing in for the hardware; a real node has none)."""
+Runtime = Literal["process", "image"]
 
 
 class KubeletSetupError(Exception):
@@ -393,6 +419,31 @@ class _Node:
     def uuids(self) -> tuple[str, ...]:
         return tuple(standin_device(i).uuid for i in range(self.spec.cards))
 
+    @property
+    def root(self) -> Path:
+        """The node's own file system, for hostPaths it has no directory of ours for."""
+        return self.state_dir.parent / "root"
+
+    def host_source(self, path: str) -> Path:
+        """Where the node's `path` (a hostPath volume's) is on this machine."""
+        if path == "/dev":
+            return self.dev_dir
+        if path == POD_RESOURCES_DIR:
+            return self.podresources_socket.parent
+        if path in DRIVER_DIRS:
+            return self.driver_dir
+        if path == STATE_DIR:
+            return self.state_dir
+        return self.root / path.lstrip("/")
+
+    def network_environ(self) -> dict[str, str]:
+        """Names and addresses of this node's container networks, apart from the others'."""
+        return {
+            "LEVERS9_NETWORK_PREFIX": f"k{self.index}",
+            "LEVERS9_NETWORK_TABLE": f"levers9_k{self.index}",
+            "LEVERS9_NETWORK_POOL": f"169.254.{128 + 16 * self.index}.0/20",
+        }
+
     def environ(self, library: Path) -> dict[str, str]:
         """What makes an agent on this machine see this node and only this node."""
         return {
@@ -401,9 +452,7 @@ class _Node:
             "LEVERS9_GPU_DRIVER_DIR": str(self.driver_dir),
             "LEVERS9_PODRESOURCES_SOCKET": str(self.podresources_socket),
             "LEVERS9_STATE_DIR": str(self.state_dir),
-            "LEVERS9_NETWORK_PREFIX": f"k{self.index}",
-            "LEVERS9_NETWORK_TABLE": f"levers9_k{self.index}",
-            "LEVERS9_NETWORK_POOL": f"169.254.{128 + 16 * self.index}.0/20",
+            **self.network_environ(),
         }
 
 
@@ -416,6 +465,15 @@ def node_devices(dev: Path, minors: Iterable[int]) -> Path:
             f"cannot create device nodes in {dev}: the simulated kubelet needs root (mknod); "
             "run the test as root or skip it"
         ) from None
+
+
+def add_basic_devices(dev: Path) -> Path:
+    """The devices every node's /dev has (null, zero, urandom, tty, fuse, ...), for pods that
+    bind the node's /dev over their own."""
+    for name, (major, minor) in BASIC_DEVICES.items():
+        if not (dev / name).exists():
+            os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+    return dev
 
 
 def make_driver_dir(driver: Path) -> Path:
@@ -448,6 +506,7 @@ class _Worker:
     cards: tuple[int, ...] = ()
     started_at: str = ""
     process: trio.Process | None = None
+    container_id: str = ""
     returncode: int | None = None
     job_deleted: bool = False
     stop_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
@@ -488,6 +547,13 @@ class SimulatedKubelet:
     node (root/nodes/<node>: nvml.json, dev/, driver/, state/) and the agents' output
     (root/logs/<job>.log). `extra_env` is applied last to every agent's environment; `python`
     runs `-m agent.daemon.cli` from the repository.
+
+    `runtime="image"` runs each Job's container from its image instead (module docstring):
+    pulled (over TLS unless `image_tls_verify` is false), unpacked under root/images and
+    root/pods, run by runc with its state in root/runc. `host_files` are bound read-only at
+    their own paths (the controlplane's CA, which a real installation would mount from a
+    Secret); a pod without hostNetwork reaches this machine's 127.0.0.1 `service_ports` on its
+    own loopback, as it would reach a Service.
     """
 
     def __init__(
@@ -498,6 +564,10 @@ class SimulatedKubelet:
         *,
         extra_env: Mapping[str, str] | None = None,
         python: str = sys.executable,
+        runtime: Runtime = "process",
+        host_files: Sequence[Path] = (),
+        image_tls_verify: bool = True,
+        service_ports: Sequence[int] = (),
     ) -> None:
         names = [node.name for node in nodes]
         for name in names:
@@ -516,6 +586,10 @@ class SimulatedKubelet:
         self._specs = tuple(nodes)
         self._extra_env = dict(extra_env or {})
         self._python = python
+        self._runtime = runtime
+        self._host_files = tuple(host_files)
+        self._image_tls_verify = image_tls_verify
+        self._service_ports = tuple(service_ports)
         self._library: Path | None = None
         self._nodes: dict[str, _Node] = {}
         self._workers: dict[str, _Worker] = {}
@@ -565,12 +639,40 @@ class SimulatedKubelet:
 
     def kill(self, job_name: str) -> None:
         """SIGKILLs the running agent of Job `job_name` (a worker dying under its pod)."""
+        worker = self._running(job_name)
+        assert worker.process is not None
+        if worker.container_id:
+            pods.kill(self._runc_root, worker.container_id)
+        else:
+            worker.process.kill()
+
+    async def exec(self, job_name: str, argv: Sequence[str]) -> subprocess.CompletedProcess[bytes]:
+        """`kubectl exec` into the running agent's container (`runtime="image"` only): runs
+        `argv` there and returns what it printed (not checked)."""
+        worker = self._running(job_name)
+        if not worker.container_id:
+            raise LookupError(
+                f"the agent of Job {job_name!r} runs as a local process, not in a container; "
+                'start the kubelet with runtime="image"'
+            )
+        return await trio.run_process(
+            pods.exec_argv(self._runc_root, worker.container_id, argv),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+
+    def _running(self, job_name: str) -> _Worker:
         worker = self._latest(job_name)
         if worker is None or worker.process is None or worker.returncode is not None:
             raise LookupError(
                 f"no agent of Job {job_name!r} is running; wait for it to start (agents())"
             )
-        worker.process.kill()
+        return worker
+
+    @property
+    def _runc_root(self) -> Path:
+        return self._root / "runc"
 
     async def wait_job_finished(self, job_name: str) -> int:
         """Waits until the agent of Job `job_name` (the newest Job of that name) has exited and
@@ -586,6 +688,7 @@ class SimulatedKubelet:
     def _lay_out(self) -> tuple[Path, dict[str, _Node]]:
         library = build_standin(self._root / "nvml")
         (self._root / "logs").mkdir(parents=True, exist_ok=True)
+        image = self._runtime == "image"
         nodes = {}
         for index, spec in enumerate(self._specs):
             base = self._root / "nodes" / spec.name
@@ -601,6 +704,11 @@ class SimulatedKubelet:
                 # No kubelet socket: the agent reads NVIDIA_VISIBLE_DEVICES, as on EKS.
                 podresources_socket=base / "pod-resources" / "kubelet.sock",
             )
+            if image:
+                node = nodes[spec.name]
+                add_basic_devices(node.dev_dir)
+                node.podresources_socket.parent.mkdir(exist_ok=True)
+                shutil.copy(library, node.driver_dir / "lib64" / "libnvidia-ml.so.1")
         return library, nodes
 
     # -- one look at the stand-in
@@ -769,14 +877,19 @@ class SimulatedKubelet:
                 )
                 self._kube.patch("pods", worker.pod_name, {"status": status}, namespace)
             return
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("LEVERS9_") and k not in _PASSED_OVER
-        }
-        env.update(job_env)
-        assert self._library is not None
-        env.update(worker.node.environ(self._library))
+        if self._runtime == "image":
+            env = dict(job_env)
+            env.update(worker.node.network_environ())
+            env[NVML_ENV] = NVML_DESCRIPTION
+        else:
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith("LEVERS9_") and k not in _PASSED_OVER
+            }
+            env.update(job_env)
+            assert self._library is not None
+            env.update(worker.node.environ(self._library))
         if worker.wanted:
             env["NVIDIA_VISIBLE_DEVICES"] = ",".join(worker.node.uuids[i] for i in worker.cards)
         if host_network:
@@ -788,6 +901,58 @@ class SimulatedKubelet:
         worker.state = "starting"
         nursery.start_soon(self._run_agent, worker, argv, env, output)
 
+    def _image_argv(self, worker: _Worker, env: Mapping[str, str]) -> list[str]:
+        """Pulls and unpacks the Job's image and writes its pod's runtime config (blocking: run
+        in a thread); the argv that runs it."""
+        container = worker.container
+        reference = str(container.get("image", ""))
+        layout = self._root / "images"
+        tag, image = pods.pull(reference, layout, tls_verify=self._image_tls_verify)
+        worker.container_id = runc_id(worker.pod_uid, worker.pod_name)
+        bundle = self._root / "pods" / worker.container_id
+        if bundle.exists():
+            shutil.rmtree(bundle)
+        pods.unpack(layout, tag, bundle)
+        volumes = {
+            str(v["name"]): v for v in worker.pod_spec.get("volumes") or () if "hostPath" in v
+        }
+        mounts = []
+        for mount in container.get("volumeMounts") or ():
+            volume = volumes.get(str(mount["name"]))
+            if volume is None:
+                raise PodRuntimeError(
+                    f"volume {mount['name']!r}: only hostPath volumes are supported by the "
+                    "simulated kubelet's image runtime"
+                )
+            source = worker.node.host_source(str(volume["hostPath"]["path"]))
+            if volume["hostPath"].get("type") == "DirectoryOrCreate":
+                source.mkdir(parents=True, exist_ok=True)
+            elif not source.exists():
+                raise PodRuntimeError(
+                    f"hostPath {volume['hostPath']['path']} of volume {mount['name']!r} is not "
+                    f"on node {worker.node.spec.name}"
+                )
+            mounts.append(Mount(source, str(mount["mountPath"]), bool(mount.get("readOnly"))))
+        mounts.append(Mount(worker.node.description, NVML_DESCRIPTION, read_only=True))
+        mounts += [Mount(path, str(path), read_only=True) for path in self._host_files]
+        argv = container_argv(
+            image,
+            [str(a) for a in container.get("command") or ()],
+            [str(a) for a in container.get("args") or ()],
+        )
+        config = pod_config(
+            image,
+            argv=argv,
+            env=container_env(image, env),
+            mounts=mounts,
+            host_network=bool(worker.pod_spec.get("hostNetwork")),
+            hostname=worker.pod_name,
+            cgroups_path=f"/levers9-sim/{worker.container_id}",
+            capabilities=pods.privileged_capabilities(pods.node_bounding_mask()),
+        )
+        pods.write_config(bundle, config)
+        return pods.run_argv(self._runc_root, bundle, worker.container_id)
+
     # -- an agent's life
 
     async def _run_agent(
@@ -797,8 +962,19 @@ class SimulatedKubelet:
         try:
             with worker.stop_scope:
                 try:
+                    if self._runtime == "image":
+                        try:
+                            argv = await trio.to_thread.run_sync(self._image_argv, worker, env)
+                        except PodRuntimeError as exc:
+                            self._not_started(worker, output, str(exc))
+                            return
                     worker.process = await trio.lowlevel.open_process(
-                        argv, env=env, cwd=REPO, stdout=output, stderr=subprocess.STDOUT
+                        argv,
+                        # runc takes the container's environment from its config.
+                        env=None if worker.container_id else env,
+                        cwd=REPO,
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
                     )
                 finally:
                     output.close()
@@ -813,18 +989,47 @@ class SimulatedKubelet:
                     worker.state = "running"
                     self._on_running(worker)
                 self._changed.unpark_all()
-                await worker.process.wait()
+                if worker.container_id and not worker.pod_spec.get("hostNetwork"):
+                    async with trio.open_nursery() as bridges:
+                        for port in self._service_ports:
+                            bridges.start_soon(
+                                pods.bridge_port,
+                                self._runc_root,
+                                worker.container_id,
+                                HOST_IP,
+                                port,
+                            )
+                        await worker.process.wait()
+                        bridges.cancel_scope.cancel()
+                else:
+                    await worker.process.wait()
             shutting_down = False
         finally:
             process = worker.process
             if process is not None:
                 with trio.CancelScope(shield=True):
                     await _terminate(process, worker.grace_s)
+                    if worker.container_id:
+                        # runc run ends with the container's PID 1; anything PID 1 left behind
+                        # (or a runc killed itself) goes with the container.
+                        await trio.to_thread.run_sync(
+                            pods.delete, self._runc_root, worker.container_id
+                        )
                 worker.returncode = process.returncode
             if not shutting_down:
                 self._on_exit(worker)
             worker.state = "exited" if process is not None else "gone"
             self._changed.unpark_all()
+
+    def _not_started(self, worker: _Worker, output: IO[bytes], message: str) -> None:
+        """The container could not be made (the kubelet's CreateContainerError): said in the
+        pod's status and the agent's log; the pod stays Pending, as it would."""
+        log.error("pod %s/%s: %s", worker.namespace, worker.pod_name, message)
+        output.write(f"simulated kubelet: {message}\n".encode())
+        status = waiting_status(
+            worker.container.get("name", ""), "CreateContainerError", message[:1000]
+        )
+        self._kube.patch("pods", worker.pod_name, {"status": status}, worker.namespace)
 
     def _stop(self, worker: _Worker, *, job_gone: bool) -> None:
         """The Job or its pod was deleted: stop the agent (if any) and clean up after it."""

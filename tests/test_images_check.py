@@ -92,7 +92,7 @@ def test_shell_form_entrypoint() -> None:
 
 def test_compiler_in_final_stage() -> None:
     text = WORKER.read_text()
-    bad = text.replace("runc rclone fuse3", "runc gcc rclone fuse3")
+    bad = text.replace("runc fuse3", "runc gcc fuse3")
     line = (
         _line_of(text, " && apt-get install -y --no-install-recommends runc") - 1
     )  # the RUN starts a line above

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from nvml import (
     open_nvml,
 )
 from nvml.standin import (
+    ENV_VAR,
     StandinNode,
     StandinProcess,
     eight_card_node,
@@ -326,3 +328,27 @@ def test_a_node_without_the_library_is_a_clear_error(run_python: RunPython) -> N
     answer = json.loads(result.stdout)
     assert "libnvidia-ml.so.1 was not found" in answer["error"]
     assert "/usr/local/nvidia" in answer["action"]
+
+
+_LIST_UUIDS_FROM_DRIVER = """
+import json, sys
+from pathlib import Path
+from nvml import open_nvml
+with open_nvml(Path(sys.argv[1])) as nvml:
+    print(json.dumps([s.device.uuid for s in nvml.snapshot().devices]))
+"""
+
+
+@pytest.mark.usefixtures("without_real_nvml")
+def test_the_driver_directorys_own_library_is_loaded_without_a_library_path(
+    run_python: RunPython, standin_library: Path, tmp_path: Path
+) -> None:
+    # As in the worker image: the Job mounts the node's driver directory, nobody sets
+    # LD_LIBRARY_PATH to its lib64.
+    driver = tmp_path / "driver"
+    (driver / "lib64").mkdir(parents=True)
+    shutil.copy(standin_library, driver / "lib64" / "libnvidia-ml.so.1")
+    description = write_node(tmp_path / "node.json", nvlinked_node(2))
+    result = run_python(["-c", _LIST_UUIDS_FROM_DRIVER, str(driver)], {ENV_VAR: str(description)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [standin_device(i).uuid for i in range(2)]

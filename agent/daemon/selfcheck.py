@@ -269,7 +269,7 @@ def gpu_section(context: SelfCheckContext) -> list[Check]:
     checks: list[Check] = []
     claim: Claim | None = None
     try:
-        with open_nvml() as nvml:
+        with open_nvml(config.driver_dir) as nvml:
             snapshot: Snapshot = nvml.snapshot()
     except NvmlUnavailableError as exc:
         checks.append(Check("gpu", "nvml", Status.FAIL, exc.message, exc.action))

@@ -428,7 +428,7 @@ def claim_cards_blocking(
 ) -> Claim:
     """Reads the assignment and NVML and decides the claim. Blocks; raises NvmlUnavailableError."""
     assignment = read_assignment(config, environ)
-    with open_nvml() as nvml:
+    with open_nvml(config.driver_dir) as nvml:
         snapshot = nvml.snapshot()
     return decide_claim(assignment, snapshot, own_pids)
 

@@ -700,6 +700,21 @@ async def sweep_left_containers(workdir: Path) -> None:
             pass
 
 
+def load_figures(load: LoadResult, name: str) -> dict[str, float]:
+    """One endpoint load's figures, named after its path (`tunnel_keepalive`, `ssh`, ...)."""
+    return {
+        f"endpoint_rps_{name}": load.rps,
+        f"endpoint_p99_ms_{name}": load.p99_ms,
+        f"endpoint_p50_ms_{name}": load.p50_ms,
+        f"endpoint_errors_{name}": float(load.errors),
+    }
+
+
+def stream_figures(gaps: Mapping[str, float], name: str) -> dict[str, float]:
+    """One token stream's gaps between events, named after its path."""
+    return {f"sse_gap_{q}_ms_{name}": gaps[f"gap_{q}_ms"] for q in ("p50", "p99", "max")}
+
+
 async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]]:
     with running_registry(workdir / "registry") as registry:
         push(registry.url, "busybox", "latest", busybox_image())
@@ -724,46 +739,18 @@ async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]
         "first_log_api_s": statistics.median(first["api"]),
         "first_log_api_p90_s": percentile(first["api"], 90),
         "cli_startup_s": statistics.median(first["startup"]),
-        "endpoint_rps_tunnel": loads["tunnel"].rps,
-        "endpoint_p99_ms_tunnel": loads["tunnel"].p99_ms,
-        "endpoint_p50_ms_tunnel": loads["tunnel"].p50_ms,
-        "endpoint_errors_tunnel": float(loads["tunnel"].errors),
-        "endpoint_rps_tunnel_keepalive": loads["tunnel_keepalive"].rps,
-        "endpoint_p99_ms_tunnel_keepalive": loads["tunnel_keepalive"].p99_ms,
-        "endpoint_p50_ms_tunnel_keepalive": loads["tunnel_keepalive"].p50_ms,
-        "endpoint_errors_tunnel_keepalive": float(loads["tunnel_keepalive"].errors),
-        "endpoint_cpu_us_per_request_tunnel": measured.cpu_us_per_request["tunnel"],
-        "endpoint_cpu_us_per_request_tunnel_keepalive": measured.cpu_us_per_request[
-            "tunnel_keepalive"
-        ],
-        "sse_gap_p50_ms_tunnel": measured.streams["tunnel"]["gap_p50_ms"],
-        "sse_gap_p99_ms_tunnel": measured.streams["tunnel"]["gap_p99_ms"],
-        "sse_gap_max_ms_tunnel": measured.streams["tunnel"]["gap_max_ms"],
+        **stream_figures(measured.streams["tunnel"], "tunnel"),
     }
-    if "direct_mode" in loads:
-        figures["endpoint_rps_direct_mode"] = loads["direct_mode"].rps
-        figures["endpoint_p99_ms_direct_mode"] = loads["direct_mode"].p99_ms
-        figures["endpoint_p50_ms_direct_mode"] = loads["direct_mode"].p50_ms
-        figures["endpoint_errors_direct_mode"] = float(loads["direct_mode"].errors)
     anchors = {
         "runc_first_log_s": statistics.median(first["runc"]),
         "runc_first_log_p90_s": percentile(first["runc"], 90),
-        "endpoint_rps_direct": loads["direct"].rps,
-        "endpoint_p99_ms_direct": loads["direct"].p99_ms,
-        "endpoint_p50_ms_direct": loads["direct"].p50_ms,
-        "endpoint_errors_direct": float(loads["direct"].errors),
-        "endpoint_rps_ssh": loads["ssh"].rps,
-        "endpoint_p99_ms_ssh": loads["ssh"].p99_ms,
-        "endpoint_rps_direct_keepalive": loads["direct_keepalive"].rps,
-        "endpoint_p99_ms_direct_keepalive": loads["direct_keepalive"].p99_ms,
-        "endpoint_p50_ms_direct_keepalive": loads["direct_keepalive"].p50_ms,
-        "endpoint_errors_direct_keepalive": float(loads["direct_keepalive"].errors),
-        "endpoint_rps_ssh_keepalive": loads["ssh_keepalive"].rps,
-        "endpoint_p99_ms_ssh_keepalive": loads["ssh_keepalive"].p99_ms,
-        "sse_gap_p50_ms_direct": measured.streams["direct"]["gap_p50_ms"],
-        "sse_gap_p99_ms_direct": measured.streams["direct"]["gap_p99_ms"],
-        "sse_gap_max_ms_direct": measured.streams["direct"]["gap_max_ms"],
+        **stream_figures(measured.streams["direct"], "direct"),
     }
+    for name, load in loads.items():
+        ours = name.startswith("tunnel") or name == "direct_mode"
+        (figures if ours else anchors).update(load_figures(load, name))
+    for name, cpu_us in measured.cpu_us_per_request.items():
+        figures[f"endpoint_cpu_us_per_request_{name}"] = cpu_us
     ratios = ratios_of(RATIOS, figures, anchors)
     return {"figures": figures, "anchors": anchors, "ratios": ratios}
 

@@ -194,27 +194,6 @@ async def test_a_thousand_concurrent_streams_are_all_answered() -> None:
         await wait_until(lambda: pair.server.statistics().open_streams == 0)
 
 
-class CountingStream(trio.abc.Stream):
-    """Passes bytes both ways, counting the writes."""
-
-    def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
-        self.writes = 0
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes += 1
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 async def test_answers_sent_at_once_leave_together_in_a_few_writes() -> None:
     """16 handlers answering in the same moment (an endpoint under load) share writes: each
     TLS record and system call carries many answers, not one."""
@@ -228,13 +207,8 @@ async def test_answers_sent_at_once_leave_together_in_a_few_writes() -> None:
         await stream.send_headers(OK)
         await stream.send_data(f"answer to {path_of(stream)}".encode(), end_stream=True)
 
-    counted: list[CountingStream] = []
-
-    def count(transport: trio.abc.Stream) -> trio.abc.Stream:
-        counted.append(CountingStream(transport))
-        return counted[-1]
-
-    async with open_pair(answer, wrap_server_transport=count) as pair:
+    counted: list[MuteStream] = []
+    async with open_pair(answer, wrap_server_transport=muting(counted)) as pair:
         streams = [
             await pair.client.open_stream(request(f"/q/{n}"), end_stream=True) for n in range(16)
         ]
@@ -397,16 +371,19 @@ async def test_a_client_forgetting_unread_responses_does_not_shrink_the_window(
 
 
 class MuteStream(trio.abc.Stream):
-    """Passes bytes both ways until `mute()`; after that swallows everything it is sent."""
+    """Passes bytes both ways until `mute()`; after that swallows everything it is sent.
+    Counts the writes it is given."""
 
     def __init__(self, inner: trio.abc.Stream) -> None:
         self.inner = inner
         self.muted = False
+        self.writes = 0
 
     def mute(self) -> None:
         self.muted = True
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes += 1
         if self.muted:
             await trio.lowlevel.checkpoint()
             return

@@ -513,23 +513,25 @@ def render_report(report: Report) -> str:
 # --- profiling -------------------------------------------------------------------------------
 
 
-async def profile_our_paths(workdir: Path, profile_dir: Path, plan: Plan) -> dict[str, Path]:
-    """Upload `plan`'s bytes once per stream count over each of our modes, with the agents
-    under cProfile and this process profiled while each mode is measured; returns the
-    profile files by name (``tunnel-agent``, ``tunnel-control``, ...)."""
+async def profile_our_paths(
+    workdir: Path, profile_dir: Path, plan: Plan, direction: str = "upload"
+) -> dict[str, Path]:
+    """Move `plan`'s bytes in `direction` (``upload`` or ``download``) once per stream count
+    over each of our modes, with the agents under cProfile and this process profiled while each
+    mode is measured; returns the profile files by name (``tunnel-agent``, ...)."""
     files: dict[str, Path] = {}
     async with (
         open_sink_process() as sink_port,
         open_our_paths(workdir, sink_port, profile_dir=profile_dir) as (_, ours),
     ):
         for mode, open_stream in ours.items():
-            await _throughput(open_stream, "upload", 1, _warmup(plan))
+            await _throughput(open_stream, direction, 1, _warmup(plan))
             profiler = cProfile.Profile()
             profiler.enable()
             try:
                 for streams in plan.stream_counts:
-                    mbps = await _throughput(open_stream, "upload", streams, plan)
-                    _say(f"{mode}: upload {streams} streams {mbps:.1f} MB/s (profiled)")
+                    mbps = await _throughput(open_stream, direction, streams, plan)
+                    _say(f"{mode}: {direction} {streams} streams {mbps:.1f} MB/s (profiled)")
             finally:
                 profiler.disable()
             path = profile_dir / f"{mode}-control.prof"
@@ -626,7 +628,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--profile",
         type=Path,
         metavar="DIR",
-        help="instead: profile our two modes' uploads (agents and controlplane) into DIR",
+        help="instead: profile our two modes' transfers (agents and controlplane) into DIR",
+    )
+    parser.add_argument(
+        "--profile-direction",
+        choices=("upload", "download"),
+        default="upload",
+        help="which transfers --profile profiles",
     )
     args = parser.parse_args(argv)
     plan, repeats = _plan_from(args)
@@ -634,7 +642,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
             files = _run(
-                functools.partial(profile_our_paths, Path(workdir), args.profile.resolve(), plan)
+                functools.partial(
+                    profile_our_paths,
+                    Path(workdir),
+                    args.profile.resolve(),
+                    plan,
+                    args.profile_direction,
+                )
             )
             for name, path in files.items():
                 print(f"=== {name}: {path}\n{summarise_profile(path)}")

@@ -12,6 +12,7 @@ import sys
 import trio
 
 from agent.wire.errors import ApiError
+from agent.wire.extras import missing_extra
 from agent.wire.logs import setup_logging
 from control.config import ConfigError, ControlConfig, load_files
 
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         help="values file (YAML); later files merge over earlier ones",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    missing = missing_extra("levers9-control", "control")
+    if missing is not None:
+        print(f"levers9-control: {missing}", file=sys.stderr)
+        return 2
     setup_logging(os.environ.get("LEVERS9_LOG_LEVEL", "INFO"))
     from control.kube.joined import own_cluster
     from control.kube.pools import load_pools

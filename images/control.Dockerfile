@@ -19,7 +19,12 @@ COPY pyproject.toml README.md ./
 COPY agent agent
 COPY control control
 COPY nvml nvml
-RUN pip wheel --no-cache-dir --wheel-dir /wheels . \
+# levers9[control]: the base packages and the controlplane's own, not the agent's. A build
+# that must trust a CA of its own (an egress proxy's) gives it as the secret `build-ca`
+# (`--secret id=build-ca,src=FILE`), mounted for this step only and kept by no layer.
+RUN --mount=type=secret,id=build-ca \
+    if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
+ && pip wheel --no-cache-dir --wheel-dir /wheels '.[control]' \
  && pip install --no-cache-dir --no-index /wheels/*.whl
 
 FROM ${PYTHON_BASE}

@@ -35,7 +35,12 @@ COPY pyproject.toml README.md ./
 COPY agent agent
 COPY control control
 COPY nvml nvml
-RUN pip wheel --no-cache-dir --wheel-dir /wheels . \
+# levers9[agent]: the base packages and the agent's own, not the controlplane's. A build
+# that must trust a CA of its own (an egress proxy's) gives it as the secret `build-ca`
+# (`--secret id=build-ca,src=FILE`), mounted for this step only and kept by no layer.
+RUN --mount=type=secret,id=build-ca \
+    if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
+ && pip wheel --no-cache-dir --wheel-dir /wheels '.[agent]' \
  && pip install --no-cache-dir --no-index /wheels/*.whl
 # Run from / so that the installed agent is imported, not the sources in /src.
 WORKDIR /

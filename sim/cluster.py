@@ -369,13 +369,15 @@ async def open_cluster(
     extra_config: Mapping[str, Any] | None = None,
     runtime: Runtime = "process",
     service_ports: Sequence[int] = (),
+    host_files: Sequence[Path] = (),
 ) -> AsyncIterator[Cluster]:
     """Nodes are (node, pool name) pairs; `database` is the values' database block (the SQLite
     file under `root` by default); `extra_config` adds blocks of the values' `config`.
     `runtime="image"` runs each worker from its pool's image (see `SimulatedKubelet`), from a
-    registry on loopback (plain HTTP), with the controlplane's CA file at the same path; a pod
-    with a network of its own reaches the controlplane's port and `service_ports` (a
-    registry's) on its own 127.0.0.1, as through a Service. The
+    registry on loopback (plain HTTP), with the controlplane's CA file and `host_files` (an S3
+    server's CA, say) at the same paths; a pod with a network of its own reaches the
+    controlplane's port and `service_ports` (a registry's, an S3 server's) on its own 127.0.0.1,
+    as through a Service. The
     kubelet starts before the controlplane so the nodes are there for its first reconcile;
     everything stops when the block ends."""
     root.mkdir(parents=True, exist_ok=True)
@@ -409,7 +411,7 @@ async def open_cluster(
         labelled,
         extra_env=agent_environment(agent_env),
         runtime=runtime,
-        host_files=[pki.ca_file],
+        host_files=[pki.ca_file, *host_files],
         image_tls_verify=False,
         service_ports=[port, *service_ports],
     )

@@ -11,8 +11,9 @@ Debian's own packages with mmdebstrap (Debian 12 with its python3.11, the base's
 netbase and tzdata, and python3-venv for the Dockerfiles' virtual environment) and passes it as
 `--build-arg PYTHON_BASE`; `base="release"` builds on the pinned one. The Debian base is tagged
 with a hash of its recipe, so it is made once per package list and reused after. pip inside the
-build trusts the CA bundle this machine's pip trusts (an egress proxy's, say), bound in for the
-build's RUN steps only.
+build trusts the CA bundle this machine's pip trusts (an egress proxy's, say), given as the build
+secret `build-ca`: mounted for the pip step only, it leaves nothing in any layer (a bind mount
+of `buildah bud --volume` left an empty /etc/pip.conf behind as its mount point).
 
 Design: what to run is decided by pure functions (`base_recipe`, `build_argv`, `push_argv`,
 `image_report`) and one thin runner executes each argv, so a failing step names the command and
@@ -44,8 +45,8 @@ BASE_REPOSITORY = "localhost/levers9-base"
 IMAGES = {"worker": "images/worker.Dockerfile", "control": "images/control.Dockerfile"}
 """Image name -> its Dockerfile, relative to the repository (the build context)."""
 LOCAL_REPOSITORY = "localhost/levers9"
-BUILD_CA_NAME = "build-ca.crt"
-BUILD_CA_PATH = "/run/levers9-build/ca.crt"
+BUILD_CA_SECRET = "build-ca"
+"""The build secret the Dockerfiles' pip step trusts as its CA bundle when it is given."""
 # Documentation, manual pages and translations are what debian:bookworm-slim leaves out too.
 _SLIM_EXCLUDES = (
     "path-exclude=/usr/share/doc/*",
@@ -121,29 +122,19 @@ def build_argv(
     base: str | None,
     reference: str,
     *,
-    pip_conf: Path | None = None,
+    ca_bundle: Path | None = None,
     context: Path = REPO,
 ) -> list[str]:
     """`buildah bud` of image `name`'s Dockerfile; `base` None keeps the file's pinned base.
 
-    `pip_conf` (see `pip_config`) is bound over /etc/pip.conf for the RUN steps only, with the
-    CA bundle it names: a bind mount of `buildah bud --volume` never ends up in a layer."""
+    `ca_bundle` goes in as the build secret `BUILD_CA_SECRET`, which the Dockerfiles' pip step
+    mounts (`RUN --mount=type=secret`) and no layer keeps."""
     argv = ["buildah", "bud", "--isolation", "chroot", "--layers", "--quiet"]
     if base is not None:
         argv += ["--build-arg", f"PYTHON_BASE={base}"]
-    if pip_conf is not None:
-        argv += ["--volume", f"{pip_conf}:/etc/pip.conf:ro"]
-        argv += ["--volume", f"{pip_conf.with_name(BUILD_CA_NAME)}:{BUILD_CA_PATH}:ro"]
+    if ca_bundle is not None:
+        argv += ["--secret", f"id={BUILD_CA_SECRET},src={ca_bundle}"]
     return [*argv, "-f", str(context / IMAGES[name]), "-t", reference, str(context)]
-
-
-def pip_config(directory: Path, ca_bundle: Path) -> Path:
-    """A pip.conf that makes pip inside the build trust `ca_bundle` (this machine's CAs, e.g.
-    an egress proxy's), next to a copy of the bundle; for `build_argv`."""
-    (directory / BUILD_CA_NAME).write_bytes(ca_bundle.read_bytes())
-    conf = directory / "pip.conf"
-    conf.write_text(f"[global]\ncert = {BUILD_CA_PATH}\n")
-    return conf
 
 
 def build_ca_bundle(environ: Mapping[str, str]) -> Path | None:
@@ -245,9 +236,7 @@ def build(
     build trusts `ca_bundle` when given."""
     reference = local_reference(name, tag)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="levers9-build-") as scratch:
-        conf = pip_config(Path(scratch), ca_bundle) if ca_bundle is not None else None
-        runner(build_argv(name, base, reference, pip_conf=conf))
+    runner(build_argv(name, base, reference, ca_bundle=ca_bundle))
     build_s = time.monotonic() - started
     raw = runner(["skopeo", "inspect", "--raw", f"containers-storage:{reference}"])
     return image_report(name, reference, json.loads(raw), build_s)

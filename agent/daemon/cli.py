@@ -15,6 +15,7 @@ import trio
 
 from agent import __version__
 from agent.daemon.config import ConfigError, load_config
+from agent.wire.extras import missing_extra
 from agent.wire.logs import setup_logging
 
 
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("self-check", help="check this node can run a worker")
     check.add_argument("--json", action="store_true", help="print JSON")
     args, rest = parser.parse_known_args(argv)
+    missing = missing_extra("levers9-agent", "agent")
+    if missing is not None:
+        print(f"levers9-agent: {missing}", file=sys.stderr)
+        return 2
     if args.command == "self-check":
         from agent.daemon.selfcheck import main_self_check
 

@@ -19,8 +19,6 @@ task store with tasks that ran and ended. Measured in one run:
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
 import secrets
 import ssl
 import statistics
@@ -32,8 +30,6 @@ from pathlib import Path
 import attrs
 import httpx
 import trio
-from cryptography import x509
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.api.models import CardInfo, Registration
 from bench.report import Results, publish, ratios_of
@@ -42,10 +38,10 @@ from control.api.server import Controlplane, serve_controlplane
 from control.config import ControlConfig, parse
 from control.tasks.databases import open_task_store
 from control.tasks.store import Exited, Running, Start, TaskSpec
+from sim.browser import CHROMIUM, spki_pin
 from sim.cluster import cli_environment, free_port, run_cli
 from sim.configs import Pki, make_pki
 
-CHROMIUM = "/usr/bin/chromium"
 PAGE = 50
 TARGET = (
     "target: metrics_scrape_ms <= 100 with 1,000 workers; Apps renders a page of 50 of "
@@ -159,12 +155,6 @@ async def time_cli(env: dict[str, str], args: Sequence[str], count: int) -> list
         await run_cli(env, args, check=True)
         out.append(time.perf_counter() - started)
     return out
-
-
-def spki_pin(cert_file: Path) -> str:
-    cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
-    spki = cert.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
-    return base64.b64encode(hashlib.sha256(spki).digest()).decode()
 
 
 def browse(url: str, token: str, cert_file: Path) -> tuple[float, float]:

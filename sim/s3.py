@@ -11,6 +11,13 @@ and identity policies that allow only their own bucket, and then `POST /moto-api
 turns enforcement on: from then on a request is checked against the caller's SigV4 signature
 and IAM policies.
 
+moto's WSGI app is served by cheroot, not by werkzeug's development server, which closes every
+connection after one request and first waits 10 ms for the client to hang up: 16 ms per small
+request over TLS, against 3 ms on cheroot's keep-alive connections (a listing, a HEAD, a file
+of a thousand small ones). Bodies reach cheroot in 1 MiB pieces: handed a large one whole, its
+buffered writer moves the unsent rest after every partial send, and a 64 MiB GET ran at
+490 MB/s instead of 755.
+
 TLS: a trustme CA per server issues the certificate for 127.0.0.1 and localhost; clients are
 pointed at the CA file (`ca_file`), which is not a secret.
 """
@@ -24,7 +31,7 @@ import os
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,7 @@ from agent.api.models import S3Credentials
 from sim.registry import stop_process
 
 REGION = "us-east-1"
+PIECE_BYTES = 1 << 20
 
 
 @attrs.frozen
@@ -255,35 +263,38 @@ def running_s3_server(
 
 
 def _serve(argv: Sequence[str] | None = None) -> None:
-    """The server process: moto's WSGI app on 127.0.0.1, port 0, TLS, threaded."""
+    """The server process: moto's WSGI app under cheroot on 127.0.0.1, port 0, TLS, threaded."""
     parser = argparse.ArgumentParser(prog="python -m sim.s3")
     parser.add_argument("--cert", required=True)
     parser.add_argument("--key", required=True)
     args = parser.parse_args(argv)
-    from moto.moto_server.werkzeug_app import (
-        DomainDispatcherApplication,
-        MotoRequestHandler,
-        create_backend_app,
-    )
-    from werkzeug.serving import make_server
+    from cheroot.ssl.builtin import BuiltinSSLAdapter
+    from cheroot.wsgi import Server
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(args.cert, args.key)
-    app = DomainDispatcherApplication(create_backend_app)
-    server = make_server(
-        "127.0.0.1",
-        0,
-        app,
-        threaded=True,
-        request_handler=MotoRequestHandler,
-        ssl_context=context,
-    )
-    port = server.server_address[1]
+    moto_app = DomainDispatcherApplication(create_backend_app)
+
+    def pieces(body: Iterable[bytes]) -> Iterator[bytes]:
+        try:
+            for part in body:
+                for start in range(0, len(part), PIECE_BYTES):
+                    yield part[start : start + PIECE_BYTES]
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+
+    def app(environ: Any, start_response: Any) -> Iterator[bytes]:
+        return pieces(moto_app(environ, start_response))
+
+    server = Server(("127.0.0.1", 0), app, numthreads=16)
+    server.ssl_adapter = BuiltinSSLAdapter(args.cert, args.key)
+    server.prepare()
+    port = server.bind_addr[1]
     # moto builds some URLs from MOTO_PORT.
     os.environ["MOTO_PORT"] = str(port)
     sys.stdout.write(f"PORT {port}\n")
     sys.stdout.flush()
-    server.serve_forever()
+    server.serve()
 
 
 if __name__ == "__main__":

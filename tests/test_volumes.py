@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -799,6 +800,35 @@ async def test_a_read_only_volume_refuses_writes(volumes: Harness) -> None:
     assert await volumes.volumes.release("c1") == []
     assert await get_object(volumes.server, "bucket-a", f"{prefix}/new.txt") is None
     assert await get_object(volumes.server, "bucket-a", f"{prefix}/readme.txt") == b"read me"
+
+
+@needs_mounts
+async def test_a_writable_volume_shows_the_writers_times_and_a_read_only_one_the_stores(
+    volumes: Harness,
+) -> None:
+    """rclone keeps a file's time in its object's metadata (`mtime`); a read-only mount shows
+    the store's Last-Modified instead, which its listing already holds."""
+    user = volumes.server.users["a"]
+    prefix = f"times-{secrets.token_hex(3)}"
+    written = 978_307_200.0  # 2001-01-01, as rclone or the writer stored it
+    put_at = time.time()
+    await in_thread(
+        lambda: volumes.server.client(user=user).put_object(
+            Bucket="bucket-a",
+            Key=f"{prefix}/weights.bin",
+            Body=b"w" * 100,
+            Metadata={"mtime": f"{written:.9f}"},
+        )
+    )
+    writable = await volumes.volumes.acquire(volumes.spec(user, prefix=prefix), "rw")
+    assert (await in_thread((writable.host_path / "weights.bin").stat)).st_mtime == written
+    assert await volumes.volumes.release("rw") == []
+    spec = volumes.spec(user, prefix=prefix, read_only=True)
+    read_only = await volumes.volumes.acquire(spec, "ro")
+    shown = (await in_thread((read_only.host_path / "weights.bin").stat)).st_mtime
+    assert put_at - 5 <= shown <= time.time() + 5
+    assert await in_thread((read_only.host_path / "weights.bin").read_bytes) == b"w" * 100
+    assert await volumes.volumes.release("ro") == []
 
 
 def _cmdlines() -> list[str]:

@@ -231,7 +231,12 @@ def rclone_argv(
     if ca_file is not None:
         argv += ["--ca-cert", str(ca_file)]
     if read_only:
-        argv.append("--read-only")
+        # A read-only mount never sets a time, so the times shown are the store's own (its
+        # Last-Modified, from the listing) and not the writer's, which rclone keeps in each
+        # object's metadata and so fetches with a HEAD per file opened: a dataset of 1,000
+        # files of 16 KiB read 173 files/s with the HEADs and 315 without (bench.volumes).
+        # A writable mount keeps the writer's times (rsync and make compare them).
+        argv += ["--read-only", "--use-server-modtime"]
     return argv
 
 

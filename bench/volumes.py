@@ -12,10 +12,13 @@ paths move one file of random bytes (256 MiB, 64 MiB with `--quick`), as one obj
   decodes that in Python at about 20 MB/s, so the anchor would measure moto, not a transfer.
 - read, ours: a fresh mount (released and acquired again, so rclone's cache is empty and the
   kernel has no pages of the file) read in 1 MiB blocks; with `--vfs-cache-mode writes` a
-  read streams from the store. Anchor: `get_object` read in 1 MiB blocks.
+  read streams from the store. Twice: through a writable mount (`read`) and through a
+  read-only one (`read_read_only`, rclone's `mount2` front end with 1 MiB FUSE reads: see
+  `agent/volumes/rclone.py`). Anchor: `get_object` read in 1 MiB blocks.
 
 - read_large: a 4 GiB object (put with boto3, a 64 MiB random block repeated) read start to
-  end through a fresh mount, as a container loads model weights; anchor: `get_object` of it.
+  end through a fresh read-only mount, as a container loads model weights; anchor:
+  `get_object` of it.
   Once, not repeated (a minute); `--quick` skips it.
 - small_files: 1,000 objects of 16 KiB under one prefix, listed and each read whole through a
   fresh mount (`os.scandir`, then open/read/close each, one after another); anchor: a
@@ -66,6 +69,7 @@ SMALL_FILE_BYTES = 16 << 10
 RATIOS = {
     "write_vs_direct": ("write_mb_s", "direct_write_mb_s"),
     "read_vs_direct": ("read_mb_s", "direct_read_mb_s"),
+    "read_read_only_vs_direct": ("read_read_only_mb_s", "direct_read_mb_s"),
     "read_large_vs_direct": ("read_large_mb_s", "direct_read_large_mb_s"),
     "small_files_vs_direct": ("small_files_per_s", "direct_small_files_per_s"),
     "small_files_read_only_vs_direct": (
@@ -214,6 +218,7 @@ async def measure(
     client = _direct_client(server, user)
     data = os.urandom(size)
     spec = VolumeSpec("bench", "s3://bucket-a/bench", "/data", s3=s3_credentials(server, user))
+    read_only = attrs.evolve(spec, read_only=True)
     volumes = Volumes(workdir / "volumes", ca_file=server.ca_file)
     samples: dict[str, list[float]] = {}
 
@@ -243,12 +248,13 @@ async def measure(
             await trio.to_thread.run_sync(_direct_put, client, "bucket-a", f"direct/{key}", data)
             sample("direct_write_mb_s", _mb_s(size, time.perf_counter() - began))
 
-            mounted = await volumes.acquire(spec, f"reader-{repeat}")
-            began = time.perf_counter()
-            read = await trio.to_thread.run_sync(_read_blocks, mounted.host_path / key)
-            sample("read_mb_s", _mb_s(size, time.perf_counter() - began))
-            assert read == size
-            await volumes.release(f"reader-{repeat}")
+            for figure, reading in (("read_mb_s", spec), ("read_read_only_mb_s", read_only)):
+                mounted = await volumes.acquire(reading, f"reader-{repeat}")
+                began = time.perf_counter()
+                read = await trio.to_thread.run_sync(_read_blocks, mounted.host_path / key)
+                sample(figure, _mb_s(size, time.perf_counter() - began))
+                assert read == size
+                await volumes.release(f"reader-{repeat}")
 
             began = time.perf_counter()
             read = await trio.to_thread.run_sync(_direct_get, client, "bucket-a", f"direct/{key}")
@@ -260,7 +266,9 @@ async def measure(
             _say(
                 f"repeat {repeat + 1}/{repeats}: write {samples['write_mb_s'][-1]:.0f} vs "
                 f"{samples['direct_write_mb_s'][-1]:.0f} MB/s, read "
-                f"{samples['read_mb_s'][-1]:.0f} vs {samples['direct_read_mb_s'][-1]:.0f} MB/s"
+                f"{samples['read_mb_s'][-1]:.0f} (read-only mount "
+                f"{samples['read_read_only_mb_s'][-1]:.0f}) vs "
+                f"{samples['direct_read_mb_s'][-1]:.0f} MB/s"
             )
 
         await trio.to_thread.run_sync(_put_small, client, "bench/small")
@@ -270,7 +278,7 @@ async def measure(
         sample("small_files_per_s", files / (time.perf_counter() - began))
         assert files == SMALL_FILES
         await volumes.release("small-reader")
-        mounted = await volumes.acquire(attrs.evolve(spec, read_only=True), "dataset-reader")
+        mounted = await volumes.acquire(read_only, "dataset-reader")
         began = time.perf_counter()
         files = await trio.to_thread.run_sync(_read_tree, mounted.host_path / "small")
         sample("small_files_read_only_per_s", files / (time.perf_counter() - began))
@@ -289,7 +297,7 @@ async def measure(
         if large_size:
             _say(f"putting {large_size >> 20} MiB for the large read")
             await trio.to_thread.run_sync(_put_large, client, "bench/large.bin", large_size)
-            mounted = await volumes.acquire(spec, "large-reader")
+            mounted = await volumes.acquire(read_only, "large-reader")
             began = time.perf_counter()
             read = await trio.to_thread.run_sync(_read_blocks, mounted.host_path / "large.bin")
             sample("read_large_mb_s", _mb_s(large_size, time.perf_counter() - began))
@@ -337,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name in (
             "write_mb_s",
             "read_mb_s",
+            "read_read_only_mb_s",
             "read_large_mb_s",
             "small_files_per_s",
             "small_files_read_only_per_s",

@@ -264,7 +264,7 @@ def test_s3_credentials_reach_rclone_only_through_its_environment(tmp_path: Path
     probe = rclone_probe_argv("rclone", rclone_remote(spec), options=VolumeOptions())
     for secret in (KEY_ID, SECRET, "tok-123456", "rc-password"):
         assert not [arg for arg in argv + probe if secret in arg]
-    assert argv[:4] == ["rclone", "mount", ":s3:bucket-a/team/data", str(tmp_path / "mnt")]
+    assert argv[:4] == ["rclone", "mount2", ":s3:bucket-a/team/data", str(tmp_path / "mnt")]
     assert "--read-only" in argv
     assert argv[argv.index("--ca-cert") + 1] == str(tmp_path / "ca.pem")
     assert argv[argv.index("--vfs-cache-mode") + 1] == "writes"
@@ -291,6 +291,19 @@ def test_the_mount_is_tuned_for_whole_file_reads_and_one_put_per_file(tmp_path: 
     assert value("--vfs-read-chunk-size") == "0"
     assert "--vfs-read-chunk-streams" not in argv
     assert "--read-only" not in argv
+    # Writable: `mount`, whose kernel write-back cache gathers small writes; read-only:
+    # `mount2`, whose FUSE reads are 1 MiB (it has no write-back cache to ask for).
+    assert argv[1] == "mount" and "--write-back-cache" in argv
+    read_only = rclone_argv(
+        "rclone",
+        ":s3:bucket-a",
+        tmp_path / "mnt",
+        name="00001-abc",
+        cache_dir=tmp_path / "cache",
+        read_only=True,
+        options=VolumeOptions(),
+    )
+    assert read_only[1] == "mount2" and "--write-back-cache" not in read_only
 
 
 def test_the_agent_prefers_its_own_rclone_and_the_setting_wins(tmp_path: Path) -> None:
@@ -912,8 +925,10 @@ async def main() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(volumes.run)
         spec = VolumeSpec("a", given["url"], "/data", s3=S3Credentials(**given["s3"]))
-        await volumes.acquire(spec, "c1")
-        print("ready", flush=True)
+        writable = await volumes.acquire(spec, "c1")
+        # A read-only volume of the same bucket: a mount (and an rclone mount2) of its own.
+        await volumes.acquire(VolumeSpec("a", given["url"], "/ro", True, spec.s3), "c2")
+        print(writable.host_path, flush=True)
         await trio.sleep_forever()
 
 trio.run(main)
@@ -940,19 +955,18 @@ async def test_sweep_cleans_what_a_killed_agent_left(tmp_path: Path, s3_server: 
         assert agent.stdin is not None and agent.stdout is not None
         await agent.stdin.send_all(json.dumps(given).encode() + b"\n")
         with trio.fail_after(60):
-            assert await read_line(agent.stdout) == b"ready\n"
+            volume = Path((await read_line(agent.stdout)).decode().strip())
         agent.send_signal(signal.SIGKILL)
         await agent.wait()
         left = mounts_under(root)
-        assert left
-        assert len(rclones_under(root)) == 1
+        assert volume in left
+        assert sorted(p.cmdline()[1] for p in rclones_under(root)) == ["mount", "mount2"]
         # The mount outlives the agent: it still takes writes and uploads them (rclone logs
         # each upload, so a log going to the dead agent would have killed it).
-        volume = next(point for point in left if point.name == "volume")
         for n in range(3):
             await in_thread(write_file, volume / f"after-{n}.txt", b"agent is gone")
             await wait_for_object(s3_server, "bucket-a", f"sweep/after-{n}.txt")
-        assert len(rclones_under(root)) == 1
+        assert len(rclones_under(root)) == 2
 
         swept = await Volumes(root).sweep()
         assert set(swept) == set(left)

@@ -21,7 +21,8 @@ Design choices:
   credentials and endpoint under a per-process random key): two containers of one workspace
   with the same bucket and credentials share one rclone; other workspaces never do. The
   directories are named by a hash of the key, so no path tells anything about a secret.
-  Read-only volumes run rclone with `--read-only` and so are a mount of their own.
+  Read-only volumes run rclone with `--read-only` (and its `mount2` front end, for large
+  reads: see `rclone_argv`) and so are a mount of their own.
 - **Probe before use.** rclone connects lazily (a mount with wrong keys "works" and then
   every access fails with EIO), so before each mount a short-lived `rclone lsjson` lists a
   random name under the prefix with the same environment: one small request however large
@@ -83,6 +84,7 @@ from agent.host.mount import MountEntry, host_mounts, is_mounted, read_mountinfo
 from agent.volumes.rclone import (
     BARRIER_PREFIX,
     MAX_LINE_BYTES,
+    MOUNT_COMMANDS,
     RC_USER,
     SEARCH_PATH,
     TESTED_VERSION,
@@ -1121,7 +1123,7 @@ def _kill_rclone_under(root: Path, rclone: str, keep_pids: Collection[int]) -> i
         cmdline = process.info.get("cmdline") or []
         if process.pid in keep_pids or len(cmdline) < 2:
             continue
-        if os.path.basename(cmdline[0]) not in names or cmdline[1] != "mount":
+        if os.path.basename(cmdline[0]) not in names or cmdline[1] not in MOUNT_COMMANDS:
             continue
         if any(_is_under(Path(arg), root) for arg in cmdline[2:] if arg.startswith("/")):
             victims.append(process)

@@ -142,12 +142,14 @@ async def wait_worker(cluster: Cluster) -> None:
 async def test_a_task_runs_on_a_worker_from_the_image(
     cluster: Cluster, registry: SharedRegistry, s3_server: S3Server, request: pytest.FixtureRequest
 ) -> None:
-    # The bucket is mounted by the rclone the image carries, through the pod's /dev/fuse.
+    # The bucket is mounted by the rclone the image carries, through the pod's /dev/fuse:
+    # writable at /data (`rclone mount`) and read-only at /weights (`rclone mount2`).
     user = s3_server.users["a"]
     key = f"from-image-{request.node.callspec.id}.txt"
     s3_server.client(user=user).put_object(Bucket=user.bucket, Key="in.txt", Body=b"from-s3\n")
     script = (
         "echo visible=$NVIDIA_VISIBLE_DEVICES; ls /dev; cat /data/in.txt; "
+        "echo weights=$(cat /weights/in.txt); touch /weights/new || echo weights-read-only; "
         f"echo card=$NVIDIA_VISIBLE_DEVICES > /data/{key}; exit 3"
     )
     async with cluster.client() as client:
@@ -156,7 +158,10 @@ async def test_a_task_runs_on_a_worker_from_the_image(
                 image=registry.busybox,
                 command=("sh", "-c", script),
                 cards=1,
-                volumes=(TaskVolume(bucket="data", mount_path="/data"),),
+                volumes=(
+                    TaskVolume(bucket="data", mount_path="/data"),
+                    TaskVolume(bucket="data", mount_path="/weights", read_only=True),
+                ),
             )
         )
         with trio.fail_after(120):
@@ -167,6 +172,7 @@ async def test_a_task_runs_on_a_worker_from_the_image(
     assert f"visible={done.card_ids[0]}" in lines
     assert "nvidia0" in lines or "nvidia1" in lines
     assert "from-s3" in lines
+    assert "weights=from-s3" in lines and "weights-read-only" in lines
     written = s3_server.client(user=user).get_object(Bucket=user.bucket, Key=key)["Body"].read()
     assert written == f"card={done.card_ids[0]}\n".encode()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import secrets
 import shutil
@@ -813,6 +814,32 @@ async def test_a_read_only_volume_refuses_writes(volumes: Harness) -> None:
     assert await volumes.volumes.release("c1") == []
     assert await get_object(volumes.server, "bucket-a", f"{prefix}/new.txt") is None
     assert await get_object(volumes.server, "bucket-a", f"{prefix}/readme.txt") == b"read me"
+
+
+@needs_mounts
+async def test_a_read_only_volume_can_be_mapped_shared_as_safetensors_loads_weights(
+    volumes: Harness,
+) -> None:
+    """safetensors maps a weights file MAP_SHARED; a FUSE file opened for direct I/O refuses
+    that (ENODEV), so the mount must keep the kernel's page cache."""
+    user = volumes.server.users["a"]
+    prefix = f"mmap-{secrets.token_hex(3)}"
+    weights = os.urandom(3 << 20)
+    await in_thread(
+        lambda: volumes.server.client(user=user).put_object(
+            Bucket="bucket-a", Key=f"{prefix}/model.safetensors", Body=weights
+        )
+    )
+    spec = volumes.spec(user, prefix=prefix, read_only=True)
+    mounted = await volumes.volumes.acquire(spec, "loader")
+
+    def mapped_digest() -> bytes:
+        with open(mounted.host_path / "model.safetensors", "rb") as file:
+            with mmap.mmap(file.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as view:
+                return hashlib.sha256(view).digest()
+
+    assert await in_thread(mapped_digest) == hashlib.sha256(weights).digest()
+    assert await volumes.volumes.release("loader") == []
 
 
 @needs_mounts

@@ -27,7 +27,7 @@ def postgres_server() -> Iterator[PostgresServer]:
     if not (PG_BIN / "initdb").exists():
         pytest.fail("PostgreSQL 15 is not installed: run `make deps` (Debian's postgresql-15)")
     if os.geteuid() != 0:
-        pytest.skip("the harness starts PostgreSQL as the postgres user, which needs root")
+        pytest.skip(reason="the harness starts PostgreSQL as the postgres user, which needs root")
     with running_postgres() as server:
         yield server
 

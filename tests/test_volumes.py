@@ -272,15 +272,18 @@ def test_s3_credentials_reach_rclone_only_through_its_environment(tmp_path: Path
 
 
 def test_the_mount_is_tuned_for_whole_file_reads_and_one_put_per_file(tmp_path: Path) -> None:
-    argv = rclone_argv(
-        "rclone",
-        ":s3:bucket-a",
-        tmp_path / "mnt",
-        name="00001-abc",
-        cache_dir=tmp_path / "cache",
-        read_only=False,
-        options=VolumeOptions(),
-    )
+    def mount_argv(read_only: bool) -> list[str]:
+        return rclone_argv(
+            "rclone",
+            ":s3:bucket-a",
+            tmp_path / "mnt",
+            name="00001-abc",
+            cache_dir=tmp_path / "cache",
+            read_only=read_only,
+            options=VolumeOptions(),
+        )
+
+    argv = mount_argv(read_only=False)
 
     def value(flag: str) -> str:
         return argv[argv.index(flag) + 1]
@@ -295,15 +298,7 @@ def test_the_mount_is_tuned_for_whole_file_reads_and_one_put_per_file(tmp_path: 
     # Writable: `mount`, whose kernel write-back cache gathers small writes; read-only:
     # `mount2`, whose FUSE reads are 1 MiB (it has no write-back cache to ask for).
     assert argv[1] == "mount" and "--write-back-cache" in argv
-    read_only = rclone_argv(
-        "rclone",
-        ":s3:bucket-a",
-        tmp_path / "mnt",
-        name="00001-abc",
-        cache_dir=tmp_path / "cache",
-        read_only=True,
-        options=VolumeOptions(),
-    )
+    read_only = mount_argv(read_only=True)
     assert read_only[1] == "mount2" and "--write-back-cache" not in read_only
 
 

@@ -19,15 +19,16 @@ paths move one file of random bytes (256 MiB, 64 MiB with `--quick`), as one obj
 - read_large: a 4 GiB object (put with boto3, a 64 MiB random block repeated) read start to
   end through a fresh read-only mount, as a container loads model weights; anchor:
   `get_object` of it.
-  Once, not repeated (a minute); `--quick` skips it.
+  Ours, the anchor, the anchor, ours (each figure the mean of its two), then ours dropping
+  behind; `--quick` skips it.
 - small_files: 1,000 objects of 16 KiB under one prefix, listed and each read whole through a
   fresh mount (`os.scandir`, then open/read/close each, one after another); anchor: a
   paginated `list_objects_v2` and a `get_object` of each, one after another. Files per second.
   Twice for ours: through a writable mount, and through a read-only one, as a dataset is
   mounted (no HEAD per file for the writer's time: see `agent/volumes/rclone.py`).
 
-Ours and the anchor take turns for each figure and each is the median of its repeats, so
-both see the same machine. MB/s is 10^6 bytes per second.
+Ours and the anchor take turns for each figure, the anchor first every other repeat, and each
+is the median of its repeats, so both see the same machine. MB/s is 10^6 bytes per second.
 
     python -m bench.volumes [--quick] --json FILE
 
@@ -40,7 +41,9 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import hashlib
+import mmap
 import os
 import statistics
 import sys
@@ -64,6 +67,7 @@ QUICK = {"bytes": 64 << 20, "repeats": 2, "large_bytes": 0}
 FULL = {"bytes": 256 << 20, "repeats": 3, "large_bytes": 4 << 30}
 BLOCK_BYTES = 1 << 20
 LARGE_BLOCK_BYTES = 64 << 20
+DROP_BEHIND_BYTES = 64 << 20
 SMALL_FILES = 1000
 SMALL_FILE_BYTES = 16 << 10
 RATIOS = {
@@ -71,6 +75,14 @@ RATIOS = {
     "read_vs_direct": ("read_mb_s", "direct_read_mb_s"),
     "read_read_only_vs_direct": ("read_read_only_mb_s", "direct_read_mb_s"),
     "read_large_vs_direct": ("read_large_mb_s", "direct_read_large_mb_s"),
+    "read_read_only_drop_behind_vs_direct": (
+        "read_read_only_drop_behind_mb_s",
+        "direct_read_mb_s",
+    ),
+    "read_large_drop_behind_vs_direct": (
+        "read_large_drop_behind_mb_s",
+        "direct_read_large_mb_s",
+    ),
     "small_files_vs_direct": ("small_files_per_s", "direct_small_files_per_s"),
     "small_files_read_only_vs_direct": (
         "small_files_read_only_per_s",
@@ -90,12 +102,26 @@ def _write_blocks(path: Path, data: bytes) -> None:
             file.write(view[start : start + BLOCK_BYTES])
 
 
-def _read_blocks(path: Path) -> int:
+def _read_blocks(path: Path, *, drop_behind: bool = False) -> int:
+    """Read `path` to its end in 1 MiB blocks; with `drop_behind`, every 64 MiB the pages read
+    so far leave the page cache."""
     total = 0
     with open(path, "rb", buffering=0) as file:
         while block := file.read(BLOCK_BYTES):
             total += len(block)
+            if drop_behind and total % DROP_BEHIND_BYTES == 0:
+                os.posix_fadvise(file.fileno(), 0, total, os.POSIX_FADV_DONTNEED)
     return total
+
+
+def _fill_memory(size: int) -> float:
+    """MB/s at which a fresh anonymous mapping of `size` bytes is written, a byte per page."""
+    page = mmap.PAGESIZE
+    with mmap.mmap(-1, size) as memory:
+        began = time.perf_counter()
+        for offset in range(0, size, page):
+            memory[offset] = 1
+        return _mb_s(size, time.perf_counter() - began)
 
 
 def _direct_put(client: Any, bucket: str, key: str, data: bytes) -> None:
@@ -227,6 +253,26 @@ async def measure(
 
     async with trio.open_nursery() as nursery:
         await nursery.start(volumes.run)
+
+        async def read_ours(
+            figure: str, name: str, length: int, reading: VolumeSpec, drop: bool = False
+        ) -> None:
+            """`bench/NAME` read through a fresh mount of `reading`."""
+            mounted = await volumes.acquire(reading, "reader")
+            began = time.perf_counter()
+            read = await trio.to_thread.run_sync(
+                functools.partial(_read_blocks, mounted.host_path / name, drop_behind=drop)
+            )
+            sample(figure, _mb_s(length, time.perf_counter() - began))
+            assert read == length
+            await volumes.release("reader")
+
+        async def read_direct(figure: str, key: str, length: int) -> None:
+            began = time.perf_counter()
+            read = await trio.to_thread.run_sync(_direct_get, client, "bucket-a", key)
+            sample(figure, _mb_s(length, time.perf_counter() - began))
+            assert read == length
+
         for repeat in range(repeats):
             key = f"file-{repeat}.bin"
 
@@ -248,18 +294,18 @@ async def measure(
             await trio.to_thread.run_sync(_direct_put, client, "bucket-a", f"direct/{key}", data)
             sample("direct_write_mb_s", _mb_s(size, time.perf_counter() - began))
 
-            for figure, reading in (("read_mb_s", spec), ("read_read_only_mb_s", read_only)):
-                mounted = await volumes.acquire(reading, f"reader-{repeat}")
-                began = time.perf_counter()
-                read = await trio.to_thread.run_sync(_read_blocks, mounted.host_path / key)
-                sample(figure, _mb_s(size, time.perf_counter() - began))
-                assert read == size
-                await volumes.release(f"reader-{repeat}")
-
-            began = time.perf_counter()
-            read = await trio.to_thread.run_sync(_direct_get, client, "bucket-a", f"direct/{key}")
-            sample("direct_read_mb_s", _mb_s(size, time.perf_counter() - began))
-            assert read == size
+            reads = [
+                functools.partial(read_ours, "read_mb_s", key, size, spec),
+                functools.partial(read_ours, "read_read_only_mb_s", key, size, read_only),
+                functools.partial(
+                    read_ours, "read_read_only_drop_behind_mb_s", key, size, read_only, True
+                ),
+                functools.partial(read_direct, "direct_read_mb_s", f"direct/{key}", size),
+            ]
+            # Whoever reads first after a while meets the most fresh memory (module docstring):
+            # the anchor goes first every other repeat.
+            for read_one in reads if repeat % 2 == 0 else reads[-1:] + reads[:-1]:
+                await read_one()
 
             for done in (f"bench/{key}", f"direct/{key}"):
                 await trio.to_thread.run_sync(_delete, client, done)
@@ -267,7 +313,8 @@ async def measure(
                 f"repeat {repeat + 1}/{repeats}: write {samples['write_mb_s'][-1]:.0f} vs "
                 f"{samples['direct_write_mb_s'][-1]:.0f} MB/s, read "
                 f"{samples['read_mb_s'][-1]:.0f} (read-only mount "
-                f"{samples['read_read_only_mb_s'][-1]:.0f}) vs "
+                f"{samples['read_read_only_mb_s'][-1]:.0f}, dropping behind "
+                f"{samples['read_read_only_drop_behind_mb_s'][-1]:.0f}) vs "
                 f"{samples['direct_read_mb_s'][-1]:.0f} MB/s"
             )
 
@@ -295,19 +342,25 @@ async def measure(
         if large_size:
             _say(f"putting {large_size >> 20} MiB for the large read")
             await trio.to_thread.run_sync(_put_large, client, "bench/large.bin", large_size)
-            mounted = await volumes.acquire(read_only, "large-reader")
-            began = time.perf_counter()
-            read = await trio.to_thread.run_sync(_read_blocks, mounted.host_path / "large.bin")
-            sample("read_large_mb_s", _mb_s(large_size, time.perf_counter() - began))
-            assert read == large_size
-            await volumes.release("large-reader")
-            began = time.perf_counter()
-            read = await trio.to_thread.run_sync(_direct_get, client, "bucket-a", "bench/large.bin")
-            sample("direct_read_large_mb_s", _mb_s(large_size, time.perf_counter() - began))
-            assert read == large_size
+            sample("memory_fill_mb_s", await trio.to_thread.run_sync(_fill_memory, large_size))
+
+            # Ours, the anchor, the anchor, ours: each is first once and last once; a figure
+            # is the median (the mean) of its two.
+            ours = functools.partial(
+                read_ours, "read_large_mb_s", "large.bin", large_size, read_only
+            )
+            direct = functools.partial(
+                read_direct, "direct_read_large_mb_s", "bench/large.bin", large_size
+            )
+            for read_one in (ours, direct, direct, ours):
+                await read_one()
+            await read_ours(
+                "read_large_drop_behind_mb_s", "large.bin", large_size, read_only, drop=True
+            )
             await trio.to_thread.run_sync(_delete, client, "bench/large.bin")
             _say(
-                f"large read: {samples['read_large_mb_s'][-1]:.0f} vs "
+                f"large read: {samples['read_large_mb_s'][-1]:.0f} (dropping behind "
+                f"{samples['read_large_drop_behind_mb_s'][-1]:.0f}) vs "
                 f"{samples['direct_read_large_mb_s'][-1]:.0f} MB/s"
             )
         nursery.cancel_scope.cancel()
@@ -344,7 +397,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             "write_mb_s",
             "read_mb_s",
             "read_read_only_mb_s",
+            "read_read_only_drop_behind_mb_s",
             "read_large_mb_s",
+            "read_large_drop_behind_mb_s",
             "small_files_per_s",
             "small_files_read_only_per_s",
             "acquire_ms",
@@ -352,7 +407,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         if name in medians
     }
-    anchors = {name: value for name, value in medians.items() if name.startswith("direct_")}
+    anchors = {
+        name: value
+        for name, value in medians.items()
+        if name.startswith("direct_") or name == "memory_fill_mb_s"
+    }
     ratios = ratios_of(RATIOS, figures, anchors)
     inputs = {
         "file_mib": float(plan["bytes"] >> 20),
@@ -363,6 +422,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     print(render_sections(figures, anchors, ratios, inputs))
     print("targets: write_vs_direct, read_vs_direct and read_large_vs_direct >= 0.8")
+    print(
+        "memory_fill_mb_s: how fast this machine gives out fresh memory, which a read through "
+        "the mount fills as page cache (see the module docstring)"
+    )
     if args.json:
         write_report(args.json, figures=figures, ratios=ratios, anchors=anchors, inputs=inputs)
 

@@ -172,8 +172,12 @@ def rclone_argv(
     without); a read-only volume, which is written by nobody, by `mount2` (go-fuse), which asks
     the kernel for FUSE reads of 1 MiB where `mount` gets 128 KiB: a 512 MiB file read start
     to end cost rclone 0.6 s of CPU instead of 1.7 s (290 -> 590 MB/s here), a 4 GiB one
-    12 s instead of 17 s (245 -> 340 MB/s; rclone's CPU per byte grows with the length of
-    the read in both). `mount2` has no write-back cache, so it serves no writable volume.
+    12 s instead of 17 s (245 -> 340 MB/s). Past the first GiB or two, most of that CPU is
+    the kernel copying each reply into new page-cache pages (68% of rclone's samples in
+    `fuse_copy_do`), which on the VMs these figures come from cost a host fault per page
+    fresh to the VM (fresh memory filled at about 160 MB/s); with the reader dropping pages
+    behind it, rclone spent 0.3 s of CPU per 256 MiB where it spent 1.3-2.3 s, reading at
+    830-890 MB/s. `mount2` has no write-back cache, so it serves no writable volume.
     Not `--direct-io`, though it read 4 GiB at 720 MB/s against 440 (rclone's CPU then goes
     to copying into the page cache): a FUSE file opened for direct I/O cannot be mapped
     MAP_SHARED (ENODEV), and safetensors maps weights that way.

@@ -144,6 +144,31 @@ def send_what_fits(proto: Http2Protocol, stream_id: int, pending: bytearray) -> 
         proto.h2.send_data(stream_id, chunk, end_stream=not pending)
 
 
+def test_queued_frames_taken_as_parts_keep_their_order() -> None:
+    # Large DATA payloads wait apart from the frames queued around them; taken as parts and
+    # sent one after another, everything arrives in the order it was queued.
+    wire = connected()
+    client, server = wire.client, wire.server
+    first, second = client.h2.get_next_available_stream_id(), 0
+    big, small, last = payload(100_000, 1), b"0123456789", payload(20_000, 2)
+    client.h2.send_headers(first, REQUEST)
+    client.h2.send_data(first, big)
+    second = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(second, REQUEST)
+    client.h2.send_data(second, small)
+    client.h2.send_data(second, last, end_stream=True)
+    client.h2.ping(b"parts-ok")
+    queued = client.queued_bytes()
+    parts = client.take_parts()
+    assert sum(len(part) for part in parts) == queued
+    assert not client.has_data_to_send() and client.queued_bytes() == 0
+    events = server.receive_data(b"".join(parts), 0.0)
+    received = [(e.stream_id, e.data) for e in events if isinstance(e, h2.events.DataReceived)]
+    assert received == [(first, big), (second, small), (second, last)]
+    kinds = [type(e).__name__ for e in events if not isinstance(e, h2.events.DataReceived)]
+    assert kinds == ["RequestReceived", "RequestReceived", "StreamEnded", "PingReceived"]
+
+
 # -- settings --
 
 

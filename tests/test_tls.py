@@ -112,6 +112,26 @@ async def test_receive_returns_many_records_at_once() -> None:
     assert got == payload
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [9, 1 << 20, 3],  # a frame header, a payload, a small frame
+        [9, 16 * 1024 - 10, 9, 5],  # small ones around a record's size
+        [1, 2, 3],
+        [40_000, 9, 9, 9, 3 * (1 << 20) + 7, 100],
+    ],
+)
+async def test_parts_arrive_as_if_joined(sizes: list[int]) -> None:
+    client, server = await connected_pair()
+    rng = random.Random(sum(sizes))
+    parts = [rng.randbytes(size) for size in sizes]
+    joined = b"".join(parts)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.send_parts, parts)
+            assert await receive_exactly(server, len(joined)) == joined
+
+
 async def receive_exactly(stream: trio.abc.Stream, size: int) -> bytes:
     got = bytearray()
     while len(got) < size:

@@ -42,6 +42,7 @@ from agent.wire.websocket import (
     accept_token,
     encode_close,
     encode_frame,
+    encode_frame_parts,
 )
 
 
@@ -87,6 +88,22 @@ def test_payloads_arrive_whole_however_the_bytes_are_cut(
             received += event
     assert bytes(received) == b"".join(messages)
     assert decoder.buffered_bytes == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(st.binary(min_size=0, max_size=20_000), min_size=1, max_size=6),
+    client_side=st.booleans(),
+)
+def test_a_frame_of_pieces_is_the_frame_of_them_joined(
+    pieces: list[bytes], client_side: bool
+) -> None:
+    # Each piece is masked on its own, with the key turned to where the piece starts.
+    theirs = Connection(ConnectionType.SERVER if client_side else ConnectionType.CLIENT)
+    frame = encode_frame_parts(OP_BINARY, pieces, mask=client_side)
+    theirs.receive_data(b"".join(frame))
+    got = b"".join(bytes(e.data) for e in theirs.events() if isinstance(e, BytesMessage))
+    assert got == b"".join(pieces)
 
 
 @pytest.mark.parametrize("client_side", [True, False])

@@ -38,6 +38,7 @@ import h2.exceptions
 import trio
 
 from agent.wire.http2 import Http2Protocol, Http2Settings, ProtocolViolation
+from agent.wire.parts import send_parts
 
 log = logging.getLogger("levers9.http2")
 
@@ -296,11 +297,15 @@ class H2Stream:
                 burst = min(window, len(view), 4 * frame)
                 piece, view = view[:burst], view[burst:]
                 with self._conn._h2_errors(self):
-                    for offset in range(0, burst, frame):
-                        last = offset + frame >= burst and len(view) == 0 and end_stream
-                        proto.h2.send_data(
-                            self.stream_id, piece[offset : offset + frame], end_stream=last
-                        )
+                    if burst == len(data) <= frame and isinstance(data, bytes):
+                        # All of it in one frame: h2 may queue the bytes object itself.
+                        proto.h2.send_data(self.stream_id, data, end_stream=end_stream)
+                    else:
+                        for offset in range(0, burst, frame):
+                            last = offset + frame >= burst and len(view) == 0 and end_stream
+                            proto.h2.send_data(
+                                self.stream_id, piece[offset : offset + frame], end_stream=last
+                            )
                 if end_stream and len(view) == 0:
                     self._sent_end = True
                     self._conn._settle(self)
@@ -802,16 +807,16 @@ class Http2Connection:
                     self._write_lock.release()
                     return
             try:
-                data = self._proto.data_to_send()
-                if not data:
+                parts = self._proto.take_parts()
+                if not parts:
                     await trio.lowlevel.checkpoint()
                     return
                 self._writes_taken += 1
-                self.bytes_sent += len(data)
+                self.bytes_sent += sum(len(part) for part in parts)
                 with trio.CancelScope(shield=True):
                     with trio.move_on_after(self._write_timeout_s) as timer:
                         try:
-                            await self.transport.send_all(data)
+                            await send_parts(self.transport, parts)
                         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                             self._mark_closed(f"transport broke while sending: {exc}")
                             raise ConnectionLost(f"connection lost: {exc}") from exc

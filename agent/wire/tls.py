@@ -43,6 +43,7 @@ import attrs
 import trio
 
 from agent.wire.conflict import ConflictDetector
+from agent.wire.parts import Buffer
 
 __all__ = [
     "CLOSE_NOTIFY_TIMEOUT_S",
@@ -66,6 +67,8 @@ _DEFAULT_MAX_RECEIVE_BYTES = 1024 * 1024
 # send_all encrypts and sends at most this much plaintext at a time, so a huge send_all does not
 # hold its whole ciphertext in memory at once.
 _SEND_CHUNK_BYTES = 1024 * 1024
+_RECORD_BYTES = 16 * 1024
+"""The most plaintext one TLS record carries (RFC 8446 5.1)."""
 
 CLOSE_NOTIFY_TIMEOUT_S = 1.0
 """How long `TLSStream` tries to send close_notify, or a handshake's failure alert, at most.
@@ -223,6 +226,46 @@ class TLSStream(trio.abc.Stream):
                 for start in range(0, len(view), _SEND_CHUNK_BYTES):
                     self._encrypt(view[start : start + _SEND_CHUNK_BYTES])
                     await self._drain_outgoing_locked()
+            finally:
+                self._send_lock.release()
+
+    async def send_parts(self, parts: Sequence[Buffer]) -> None:
+        """`send_all` of the parts joined, without joining them: a large part is encrypted
+        where it lies. Small parts are gathered with the start of the next, so a 9-byte frame
+        header does not become a TLS record of its own."""
+        with self._send_conflict:
+            await self._ensure_handshake()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                self._send_lock.acquire_nowait()
+            except trio.WouldBlock:
+                await self._send_lock.acquire()
+            try:
+                self._check_usable()
+                gathered = bytearray()
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    if gathered:
+                        taken = min(len(view), _RECORD_BYTES - len(gathered))
+                        gathered += view[:taken]
+                        view = view[taken:]
+                        if len(gathered) < _RECORD_BYTES:
+                            continue
+                        self._encrypt(memoryview(gathered))
+                        gathered = bytearray()
+                    if len(view) < _RECORD_BYTES:
+                        gathered += view
+                        continue
+                    for start in range(0, len(view), _SEND_CHUNK_BYTES):
+                        self._encrypt(view[start : start + _SEND_CHUNK_BYTES])
+                        if self._outgoing.pending >= _SEND_CHUNK_BYTES:
+                            await self._drain_outgoing_locked()
+                if gathered:
+                    self._encrypt(memoryview(gathered))
+                if self._outgoing.pending:
+                    await self._drain_outgoing_locked()
+                else:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
             finally:
                 self._send_lock.release()
 

@@ -19,6 +19,7 @@ import hashlib
 import http
 import os
 import struct
+from collections.abc import Sequence
 from typing import Literal, NoReturn
 
 import attrs
@@ -81,7 +82,15 @@ def accept_token(key: bytes) -> bytes:
 def encode_frame(opcode: int, payload: bytes | bytearray | memoryview, *, mask: bool) -> bytes:
     """One final frame carrying ``payload``, masked with a fresh random key when ``mask`` (a
     client's frames always are; a server's never)."""
-    length = len(payload)
+    return b"".join(encode_frame_parts(opcode, [payload], mask=mask))
+
+
+def encode_frame_parts(
+    opcode: int, payload: Sequence[bytes | bytearray | memoryview], *, mask: bool
+) -> list[bytes | bytearray | memoryview]:
+    """`encode_frame` of the pieces of `payload` joined, as its header and the pieces (each
+    masked on its own where ``mask``), so no piece is copied but by the mask."""
+    length = sum(len(piece) for piece in payload)
     first = 0x80 | opcode
     mask_bit = 0x80 if mask else 0
     if length < 126:
@@ -90,10 +99,18 @@ def encode_frame(opcode: int, payload: bytes | bytearray | memoryview, *, mask: 
         header = struct.pack("!BBH", first, mask_bit | 126, length)
     else:
         header = struct.pack("!BBQ", first, mask_bit | 127, length)
-    if mask:
-        key = os.urandom(4)
-        return b"".join((header, key, apply_mask(payload, key)))
-    return b"".join((header, payload))
+    if not mask:
+        return [header, *payload]
+    key = os.urandom(4)
+    frame: list[bytes | bytearray | memoryview] = [header + key]
+    offset = 0
+    for piece in payload:
+        # The key runs on across pieces: a piece starting at `offset` starts at its byte
+        # offset % 4 (RFC 6455 5.3).
+        turn = offset % 4
+        frame.append(apply_mask(piece, key[turn:] + key[:turn]))
+        offset += len(piece)
+    return frame
 
 
 def encode_close(code: int, reason: str, *, mask: bool) -> bytes:

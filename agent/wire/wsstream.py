@@ -18,12 +18,14 @@ handshake; the framing and the handshake's parsing are `agent.wire.websocket`'s,
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import NoReturn
 
 import attrs
 import trio
 
 from agent.wire.conflict import ConflictDetector
+from agent.wire.parts import Buffer, send_parts
 from agent.wire.websocket import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
@@ -40,6 +42,7 @@ from agent.wire.websocket import (
     ServerHandshake,
     encode_close,
     encode_frame,
+    encode_frame_parts,
 )
 
 __all__ = [
@@ -139,6 +142,19 @@ class WebSocketStream(trio.abc.Stream):
                 )
                 await self._write(frame)
 
+    async def send_parts(self, parts: Sequence[Buffer]) -> None:
+        """`send_all` of the parts joined, as one frame whose payload pieces are masked where
+        they lie and handed on as pieces (see `agent.wire.parts`)."""
+        if sum(len(part) for part in parts) > WS_MAX_SEND_BYTES:
+            await self.send_all(b"".join(parts))
+            return
+        with self._send_conflict:
+            self._check_usable()
+            if self._peer_closed:
+                raise trio.BrokenResourceError("the peer closed the WebSocket")
+            await trio.lowlevel.checkpoint_if_cancelled()
+            await self._write(encode_frame_parts(OP_BINARY, parts, mask=self._mask))
+
     async def wait_send_all_might_not_block(self) -> None:
         with self._send_conflict:
             self._check_usable()
@@ -223,15 +239,18 @@ class WebSocketStream(trio.abc.Stream):
                     pass
         raise trio.BrokenResourceError(message)
 
-    async def _write(self, frame: bytes) -> None:
-        """Write one whole frame; frames from the sender and from the reader (pongs, closes)
-        never interleave."""
+    async def _write(self, frame: bytes | Sequence[Buffer]) -> None:
+        """Write one whole frame (bytes, or the pieces `encode_frame_parts` made); frames from
+        the sender and from the reader (pongs, closes) never interleave."""
         try:
             self._write_lock.acquire_nowait()
         except trio.WouldBlock:
             await self._write_lock.acquire()
         try:
-            await self.transport.send_all(frame)
+            if isinstance(frame, bytes):
+                await self.transport.send_all(frame)
+            else:
+                await send_parts(self.transport, frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._check_usable()
             if self._broken is None:

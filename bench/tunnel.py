@@ -46,7 +46,6 @@ from typing import TypeVar
 import attrs
 import trio
 
-from agent.wire.allocator import tune_malloc
 from agent.wire.tls import make_self_signed
 from bench.anchors import (
     OpenStream,
@@ -639,8 +638,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     plan, repeats = _plan_from(args)
-    # The controlplane runs in this process: set its allocator up as levers9-control does.
-    tune_malloc()
     with tempfile.TemporaryDirectory(prefix="levers9-bench-tunnel-") as workdir:
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)

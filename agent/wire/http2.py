@@ -38,7 +38,6 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
-import h2.frame_buffer
 import h2.settings
 import hpack
 import hyperframe.frame
@@ -214,37 +213,14 @@ def _header_list_bytes(headers: Iterable[Any]) -> int:
 
 
 _FRAME_HEADER = struct.Struct("!HBBBL")
+_DATA_TYPE = 0x0
+_END_STREAM_FLAG = 0x1
 ZERO_COPY_DATA_BYTES = 16 * 1024
 """DATA payloads from this size on are queued as they are, beside their frame header, not
 copied into h2's buffer (see `_H2Connection._prepare_for_sending`)."""
 
 OutboundParts = list[bytes | bytearray]
 """Queued output in order: frame headers and small frames joined, large DATA payloads apart."""
-
-
-class _FrameBuffer(h2.frame_buffer.FrameBuffer):
-    """h2's frame buffer, parsing an unpadded DATA frame's payload where it lies in the buffer.
-    h2 copies every frame out of the buffer before parsing it, and parsing copies a DATA
-    payload again; one copy is what a payload needs to outlive the buffer."""
-
-    def __next__(self) -> hyperframe.frame.Frame:
-        data = self._data
-        if (
-            len(data) < 9
-            or data[3] != _DATA
-            or data[4] & _PADDED
-            or self._headers_buffer  # h2 refuses anything but CONTINUATION here
-        ):
-            return super().__next__()
-        frame, length = hyperframe.frame.Frame.parse_frame_header(memoryview(bytes(data[:9])))
-        if len(data) < 9 + length:
-            raise StopIteration
-        self._validate_frame_length(length)
-        with memoryview(data) as view, view[9 : 9 + length] as body:
-            # DataFrame.parse_body keeps a copy (tobytes), no view of the buffer.
-            frame.parse_body(body)
-        del data[: 9 + length]
-        return frame
 
 
 class _H2Connection(h2.connection.H2Connection):
@@ -272,7 +248,6 @@ class _H2Connection(h2.connection.H2Connection):
         closed_stream_frames: _FloodCounter,
     ) -> None:
         super().__init__(config=config)
-        self.incoming_buffer = _FrameBuffer(server=not config.client_side)
         self.encoder = _Encoder()
         self.default_header_limit = default_header_limit
         self.data_frames_sent = 0
@@ -293,9 +268,9 @@ class _H2Connection(h2.connection.H2Connection):
                 and len(frame.data) <= self.max_outbound_frame_size
             ):
                 length = len(frame.data)
-                flags = _END_STREAM if "END_STREAM" in frame.flags else 0
+                flags = _END_STREAM_FLAG if "END_STREAM" in frame.flags else 0
                 header = _FRAME_HEADER.pack(
-                    length >> 8, length & 0xFF, _DATA, flags, frame.stream_id & 0x7FFFFFFF
+                    length >> 8, length & 0xFF, _DATA_TYPE, flags, frame.stream_id & 0x7FFFFFFF
                 )
                 if self._data_to_send:
                     self._parts.append(self._data_to_send)

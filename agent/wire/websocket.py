@@ -147,7 +147,7 @@ class Close:
     reason: str
 
 
-Event = bytes | bytearray | Ping | Pong | Close
+Event = bytes | Ping | Pong | Close
 """What `FrameDecoder.next_event` hands out: a piece of a binary message's payload (never
 empty), or a control frame."""
 
@@ -174,7 +174,7 @@ class FrameDecoder:
     def __init__(self, *, client_side: bool) -> None:
         # A server's frames are never masked, a client's always (RFC 6455 §5.1).
         self._expect_masked = not client_side
-        self._data: bytes | bytearray = b""
+        self._data = b""
         self._pos = 0
         # The data frame being handed out: payload bytes still to come, its key and how far in.
         self._remaining = 0
@@ -184,12 +184,11 @@ class FrameDecoder:
         self._in_message = False
 
     def receive_data(self, data: bytes | bytearray) -> None:
-        """Bytes read from the transport, in order. A bytearray is kept as it is, not copied:
-        the caller hands it over and must not change it afterwards."""
+        """Bytes read from the transport, in order."""
         if self._pos < len(self._data):
             self._data = self._data[self._pos :] + data
         else:
-            self._data = data
+            self._data = bytes(data)
         self._pos = 0
 
     @property
@@ -206,7 +205,7 @@ class FrameDecoder:
             if event is not True:
                 return event
 
-    def _payload_piece(self, max_bytes: int | None) -> bytes | bytearray | None:
+    def _payload_piece(self, max_bytes: int | None) -> bytes | None:
         data, pos = self._data, self._pos
         available = len(data) - pos
         if available <= 0:
@@ -214,7 +213,7 @@ class FrameDecoder:
         size = min(self._remaining, available)
         if max_bytes is not None:
             size = min(size, max_bytes)
-        piece: bytes | bytearray | memoryview
+        piece: bytes | memoryview
         if pos == 0 and size == len(data):
             piece = data
             self._data, self._pos = b"", 0
@@ -227,7 +226,7 @@ class FrameDecoder:
             key = self._key if offset == 0 else self._key[offset:] + self._key[:offset]
             self._key_offset = (offset + size) % 4
             return apply_mask(piece, key)
-        return bytes(piece) if isinstance(piece, memoryview) else piece
+        return piece if isinstance(piece, bytes) else bytes(piece)
 
     def _next_frame(self) -> Event | Literal[True] | None:
         """Parse one frame header (and a control frame's payload); None when incomplete, True
@@ -264,7 +263,7 @@ class FrameDecoder:
         if masked:
             if available < header + 4:
                 return None
-            key = bytes(data[pos + header : pos + header + 4])
+            key = data[pos + header : pos + header + 4]
             header += 4
         if opcode in _CONTROL_OPCODES:
             return self._control_frame(opcode, fin, length, key, header)
@@ -294,7 +293,7 @@ class FrameDecoder:
         start = self._pos + header
         if len(self._data) - start < length:
             return None
-        payload = bytes(self._data[start : start + length])
+        payload = self._data[start : start + length]
         self._pos = start + length
         if key:
             payload = apply_mask(payload, key)

@@ -172,7 +172,7 @@ class WebSocketStream(trio.abc.Stream):
             finally:
                 self._receiving = False
 
-    async def _receive(self, limit: int | None) -> bytes | bytearray:
+    async def _receive(self, limit: int | None) -> bytes:
         waited = False
         while True:
             if self._peer_closed:
@@ -184,7 +184,7 @@ class WebSocketStream(trio.abc.Stream):
             if event is None:
                 await self._read()
                 waited = True
-            elif isinstance(event, bytes | bytearray):
+            elif isinstance(event, bytes):
                 if not waited:
                     await trio.lowlevel.checkpoint()
                 return event

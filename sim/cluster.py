@@ -293,16 +293,20 @@ class Cluster:
                     continue
 
     async def wait_workers(self, count: int) -> list[str]:
-        """Until `count` workers have registered and take tasks; their ids."""
+        """Until `count` workers have registered and take tasks; their ids. A worker this
+        replica owns takes tasks once its strays are removed (`Dispatcher.takes_tasks`): a task
+        created before that goes to another worker, which is not where a test expects it."""
         from control.tasks.dispatch import is_ready
 
         while True:
             assert self.control is not None
-            registry = self.control.registry
+            registry, dispatcher = self.control.registry, self.control.dispatcher
+            owned = {e.worker_id for e in registry.owned_entries()}
             ready = [
                 e.worker_id
                 for e in registry.entries()
                 if is_ready(e, time.time(), self.config.worker.lost_after_s)
+                and (e.worker_id not in owned or dispatcher.takes_tasks(e.worker_id))
             ]
             if len(ready) >= count:
                 return sorted(ready)

@@ -238,6 +238,11 @@ class Dispatcher:
         for scope in self._cleanups:
             scope.cancel()
 
+    def takes_tasks(self, worker_id: str) -> bool:
+        """Whether placement considers the worker: it registered and the containers it held
+        from before (strays) were removed. Until then its tasks go to workers that are."""
+        return worker_id in self._synced
+
     def wake(self) -> None:
         self._wake.set()
 

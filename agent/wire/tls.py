@@ -208,6 +208,12 @@ class TLSStream(trio.abc.Stream):
         await self._handshake()
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.send_parts((data,))
+
+    async def send_parts(self, parts: Sequence[Buffer]) -> None:
+        """`send_all` of the parts joined, without joining them: a large part is encrypted
+        where it lies. A small part is gathered with the start of the next, so a 9-byte frame
+        header does not become a TLS record of its own."""
         with self._send_conflict:
             await self._ensure_handshake()
             # Cancelled here, nothing is half done. The lock is taken without a trip through the
@@ -220,48 +226,25 @@ class TLSStream(trio.abc.Stream):
                 await self._send_lock.acquire()
             try:
                 self._check_usable()
-                view = memoryview(data).cast("B")
-                if not view:
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                for start in range(0, len(view), _SEND_CHUNK_BYTES):
-                    self._encrypt(view[start : start + _SEND_CHUNK_BYTES])
-                    await self._drain_outgoing_locked()
-            finally:
-                self._send_lock.release()
-
-    async def send_parts(self, parts: Sequence[Buffer]) -> None:
-        """`send_all` of the parts joined, without joining them: a large part is encrypted
-        where it lies. Small parts are gathered with the start of the next, so a 9-byte frame
-        header does not become a TLS record of its own."""
-        with self._send_conflict:
-            await self._ensure_handshake()
-            await trio.lowlevel.checkpoint_if_cancelled()
-            try:
-                self._send_lock.acquire_nowait()
-            except trio.WouldBlock:
-                await self._send_lock.acquire()
-            try:
-                self._check_usable()
                 gathered = bytearray()
-                for part in parts:
+                last = len(parts) - 1
+                for index, part in enumerate(parts):
                     view = memoryview(part).cast("B")
                     if gathered:
                         taken = min(len(view), _RECORD_BYTES - len(gathered))
                         gathered += view[:taken]
                         view = view[taken:]
-                        if len(gathered) < _RECORD_BYTES:
+                        if len(gathered) < _RECORD_BYTES and index < last:
                             continue
                         self._encrypt(memoryview(gathered))
                         gathered = bytearray()
-                    if len(view) < _RECORD_BYTES:
+                    if len(view) < _RECORD_BYTES and index < last:
                         gathered += view
                         continue
                     for start in range(0, len(view), _SEND_CHUNK_BYTES):
                         self._encrypt(view[start : start + _SEND_CHUNK_BYTES])
                         if self._outgoing.pending >= _SEND_CHUNK_BYTES:
                             await self._drain_outgoing_locked()
-                if gathered:
-                    self._encrypt(memoryview(gathered))
                 if self._outgoing.pending:
                     await self._drain_outgoing_locked()
                 else:

@@ -105,6 +105,45 @@ async def test_loopback_connect_is_carried_with_the_setting_on(
         assert "only its loopback" in err.value.message
 
 
+async def _echoes(worker: WorkerClient, host: str, port: int) -> bytes:
+    stream = await worker.connect_tcp(host, port)
+    await stream.send_all(b"ping " + host.encode())
+    await stream.send_eof()
+    echoed = b""
+    while data := await stream.receive_some():
+        echoed += data
+    await stream.aclose()
+    return echoed
+
+
+async def test_connect_reaches_ipv4_and_ipv6_addresses_and_names_a_closed_port(
+    nursery: trio.Nursery,
+) -> None:
+    """An address is dialled straight (no name lookup): both families arrive, and a port
+    nobody listens on is refused in words that name it."""
+
+    async def echo(stream: trio.SocketStream) -> None:
+        async with stream:
+            while data := await stream.receive_some():
+                await stream.send_all(data)
+
+    v4 = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    v6 = await trio.open_tcp_listeners(0, host="::1")
+    nursery.start_soon(trio.serve_listeners, echo, v4 + v6)
+    port4 = int(v4[0].socket.getsockname()[1])
+    port6 = int(v6[0].socket.getsockname()[1])
+    closed = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    closed_port = int(closed[0].socket.getsockname()[1])
+    await closed[0].aclose()
+    async with _worker(nursery, _config(loopback_connect=True)) as worker:
+        assert await _echoes(worker, "127.0.0.1", port4) == b"ping 127.0.0.1"
+        assert await _echoes(worker, "::1", port6) == b"ping ::1"
+        with pytest.raises(ApiError) as err:
+            await worker.connect_tcp("127.0.0.1", closed_port)
+        assert err.value.code is ErrorCode.UNAVAILABLE
+        assert f"cannot reach 127.0.0.1:{closed_port} on the worker" in err.value.message
+
+
 @pytest.mark.parametrize(("raw", "expected"), [(None, False), ("off", False), ("on", True)])
 def test_the_setting_is_read_from_the_agents_environment(raw: str | None, expected: bool) -> None:
     env = {

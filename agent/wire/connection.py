@@ -3,8 +3,10 @@
 Both ends of the worker API use it: the agent as the HTTP/2 server (over its TLS listener in
 direct mode, inside the WebSocket it dialed in tunnel mode) and the controlplane as the client.
 One reader task per connection feeds the protocol and hands events to per-stream objects; it
-never waits on a consumer, so a slow reader stalls only its own stream. Every write goes
-through one `trio.StrictFIFOLock` and is flushed at once. Received bytes are acknowledged to
+never waits on a consumer, so a slow reader stalls only its own stream. One task writes at a
+time (a `trio.StrictFIFOLock`), and it writes until h2 has nothing queued: a stream whose small
+frames find a write in progress leaves them to it and goes on, with no lock to wait for and no
+second write. Received bytes are acknowledged to
 the peer (WINDOW_UPDATE) only when the stream's consumer has read them, so what one stream
 buffers is bounded by its window and what the connection buffers by the connection window.
 
@@ -229,10 +231,11 @@ class H2Stream:
                 acked = flow
             self._buffered -= len(data)
             self._conn._proto.acknowledge(self.stream_id, acked)
-            if parked and not self._conn._proto.has_data_to_send():
-                # Waiting was this call's checkpoint; no WINDOW_UPDATE is due.
-                return data
-            await self._conn._flush()
+            if self._conn._proto.has_data_to_send():
+                await self._conn._flush()  # the WINDOW_UPDATE; a scheduler pass
+            elif not parked:
+                await trio.lowlevel.checkpoint()
+            # (Otherwise waiting was this call's checkpoint.)
             return data
         finally:
             self._receiving = False
@@ -427,11 +430,13 @@ class H2ByteStream(trio.abc.HalfCloseableStream):
             # We will read no more: reset it so the peer stops sending and no window stays
             # held. It arrives after our END_STREAM, so the peer keeps what we sent.
             await stream.reset(h2.errors.ErrorCodes.CANCEL)
-        else:
+        elif stream._conn._proto.has_data_to_send():
             try:
                 await stream._conn._flush()
             except trio.BrokenResourceError:
                 pass
+        else:
+            await trio.lowlevel.checkpoint()
         stream._readable.unpark_all()
         stream._window_lot.unpark_all()
 
@@ -468,9 +473,6 @@ class Http2Connection:
         self._keepalive = keepalive
         self._handler = handler
         self._write_lock = trio.StrictFIFOLock()
-        self._writes_taken = 0
-        """Writes that took h2's queued bytes; `_writes_done` of them finished."""
-        self._writes_done = 0
         self._streams: dict[int, H2Stream] = {}
         self._blocked: set[H2Stream] = set()
         self._closed = False
@@ -556,7 +558,7 @@ class Http2Connection:
                 log.warning("http2 connection closed: %s", exc, extra={"connection": self.name})
                 # Send the GOAWAY first: marking the connection closed cancels its tasks.
                 try:
-                    await self._flush()
+                    await self._flush(wait=True)
                 except trio.BrokenResourceError:
                     pass
                 self._mark_closed(str(exc))
@@ -714,7 +716,7 @@ class Http2Connection:
         if not self._closed:
             self._proto.go_away()
             try:
-                await self._flush()
+                await self._flush(wait=True)
             except trio.BrokenResourceError:
                 pass
             self._mark_closed("closed locally")
@@ -729,7 +731,7 @@ class Http2Connection:
         if not self._draining and not self._closed:
             self._draining = True
             self._proto.go_away()
-            await self._flush()
+            await self._flush(wait=True)
         while self._streams and not self._closed:
             await self._idle_lot.park()
 
@@ -770,25 +772,35 @@ class Http2Connection:
 
     # -- writing --
 
-    async def _flush(self, *, gather: bool = False) -> None:
+    async def _flush(self, *, gather: bool = False, wait: bool = False) -> None:
         """Send what h2 has queued. A write, once started, is never cut by cancellation (a
         half-written frame would corrupt every stream); it is bounded by the write timeout
         instead, past which the peer is taken to have stopped reading and the connection
         closes. `gather`: a stream's headers or body, which may wait one scheduler pass for
         other streams' (see `COALESCE_BELOW_BYTES`); WINDOW_UPDATEs and control frames never
-        wait."""
+        wait.
+
+        The task that writes keeps writing until h2 holds nothing more, so a small flush that
+        finds a write in progress returns at once: its frames leave with that task's next
+        write. Only a flush with more than `COALESCE_BELOW_BYTES` queued waits for its turn,
+        which is what holds a bulk sender to the pace of the socket, and one that must `wait`
+        until its frames are on the wire (a GOAWAY before the transport closes). A flush with
+        nothing queued is no scheduler pass: a caller that promises one makes its own."""
         if not self._proto.has_data_to_send():
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
             return
         try:
-            small = gather and self._proto.queued_bytes() < COALESCE_BELOW_BYTES
-            if small and len(self._streams) > 1:
+            small = self._proto.queued_bytes() < COALESCE_BELOW_BYTES
+            if self._write_lock.locked() and small and not wait:
+                await trio.lowlevel.checkpoint()
+                return
+            if small and gather and len(self._streams) > 1:
                 # Other streams' tasks may queue frames in this same scheduler batch (16
                 # requests answered at once): let them, so that all of it leaves in this one
                 # write, one TLS record and one system call where there were several. A flush
                 # that finds its frames taken by another's write has nothing left to do.
                 await trio.lowlevel.checkpoint()
-                if not self._proto.has_data_to_send():
+                if not self._proto.has_data_to_send() or (self._write_lock.locked() and not wait):
                     return
             else:
                 # Uncontended, the lock is taken without a trip through the scheduler: the
@@ -797,42 +809,11 @@ class Http2Connection:
             try:
                 self._write_lock.acquire_nowait()
             except trio.WouldBlock:
-                # What we queued leaves with the write after the one in progress, whoever
-                # makes it; once that is done a small answer has nothing left to send. (A
-                # bulk sender writes what is queued then, as it finds it: measured, that keeps
-                # 8 uploading streams at their rate, where returning cost a third of it.)
-                wanted = self._writes_taken + 1
+                # A bulk sender: what it queued is written by the task writing now, or by
+                # this one once that is done.
                 await self._write_lock.acquire()
-                if small and self._writes_done >= wanted:
-                    self._write_lock.release()
-                    return
             try:
-                parts = self._proto.take_parts()
-                if not parts:
-                    await trio.lowlevel.checkpoint()
-                    return
-                self._writes_taken += 1
-                self.bytes_sent += sum(len(part) for part in parts)
-                with trio.CancelScope(shield=True):
-                    with trio.move_on_after(self._write_timeout_s) as timer:
-                        try:
-                            await send_parts(self.transport, parts)
-                        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                            self._mark_closed(f"transport broke while sending: {exc}")
-                            raise ConnectionLost(f"connection lost: {exc}") from exc
-                if timer.cancelled_caught:
-                    reason = (
-                        f"peer stopped reading (a write did not finish in "
-                        f"{self._write_timeout_s:g} s)"
-                    )
-                    log.warning(
-                        "http2 connection closed: %s", reason, extra={"connection": self.name}
-                    )
-                    self._mark_closed(reason)
-                    with trio.CancelScope(shield=True):
-                        await trio.aclose_forcefully(self.transport)
-                    raise ConnectionLost(f"connection lost: {reason}")
-                self._writes_done += 1
+                await self._write_queued()
             finally:
                 self._write_lock.release()
         except trio.Cancelled:
@@ -840,6 +821,33 @@ class Http2Connection:
             # aclose) must still go out, or the peer waits on them for ever.
             self._flush_later()
             raise
+
+    async def _write_queued(self) -> None:
+        """Write what h2 holds, and again what it holds after that, until nothing is left;
+        called with the write lock held. Others' frames queued meanwhile go with these."""
+        parts = self._proto.take_parts()
+        if not parts:
+            await trio.lowlevel.checkpoint()
+            return
+        while parts:
+            self.bytes_sent += sum(len(part) for part in parts)
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(self._write_timeout_s) as timer:
+                    try:
+                        await send_parts(self.transport, parts)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        self._mark_closed(f"transport broke while sending: {exc}")
+                        raise ConnectionLost(f"connection lost: {exc}") from exc
+            if timer.cancelled_caught:
+                reason = (
+                    f"peer stopped reading (a write did not finish in {self._write_timeout_s:g} s)"
+                )
+                log.warning("http2 connection closed: %s", reason, extra={"connection": self.name})
+                self._mark_closed(reason)
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(self.transport)
+                raise ConnectionLost(f"connection lost: {reason}")
+            parts = self._proto.take_parts()
 
     def _flush_later(self) -> None:
         """Have the connection's own nursery send whatever h2 holds."""
@@ -882,7 +890,8 @@ class Http2Connection:
             raise ConnectionLost(f"connection lost: {self._close_reason}")
         if self._draining:
             raise StreamRefused("connection is draining; open the stream elsewhere")
-        await self._ready.wait()
+        if not self._ready.is_set():
+            await self._ready.wait()
         try:
             sid = self._proto.h2.get_next_available_stream_id()
         except h2.exceptions.NoAvailableStreamIDError:

@@ -258,3 +258,26 @@ def test_a_pool_with_agent_metrics_gives_its_workers_the_listener() -> None:
         rendered = {e["name"]: e["value"] for e in env_list if "value" in e}
         metrics = load_config({**rendered, "LEVERS9_WORKER_TOKEN": "s3cret"}).metrics
         assert (None if metrics is None else (metrics.host, metrics.port)) == expected
+
+
+async def test_bytes_sent_with_a_connect_arrive_first_and_a_refusal_still_says_why(
+    nursery: trio.Nursery, node_port: int
+) -> None:
+    """The endpoint route sends a request's head with its CONNECT, before the worker has
+    answered: the listener gets those bytes ahead of what follows, and a CONNECT the worker
+    refuses fails with the worker's reason, not a broken stream."""
+    async with _worker(nursery, _config(loopback_connect=True)) as worker:
+        stream = await worker.connect_tcp("127.0.0.1", node_port, first=b"GET / HTTP/1.1\r\n")
+        await stream.send_all(b"\r\n")
+        await stream.send_eof()
+        echoed = b""
+        while data := await stream.receive_some():
+            echoed += data
+        await stream.aclose()
+        assert echoed == b"GET / HTTP/1.1\r\n\r\n"
+        with pytest.raises(ApiError) as err:
+            await worker.connect_tcp("10.1.2.3", 80, first=b"GET / HTTP/1.1\r\n\r\n")
+        assert err.value.code is ErrorCode.PERMISSION_DENIED
+        assert "only its loopback" in err.value.message
+        # The connection carries on: the refused stream's bytes were dropped, not queued.
+        assert await _echoes(worker, "127.0.0.1", node_port) == b"ping 127.0.0.1"

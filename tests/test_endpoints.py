@@ -8,10 +8,9 @@ misbehave on request (close, cut a body short, answer early, send garbage).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import attrs
 import h11
@@ -32,6 +31,7 @@ from agent.wire.service import (
     StreamResponse,
     bearer_auth,
 )
+from control.api import endpoints
 from control.api.endpoints import (
     DEFAULT_CONTENT_TYPE,
     EndpointProxy,
@@ -187,6 +187,8 @@ class Harness:
     upstream: Upstream
     proxy: EndpointProxy
     opened: int = 0
+    firsts: list[bytes] = attrs.field(factory=list)
+    """What each opening carried (`open_stream(first)`)."""
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -205,9 +207,12 @@ async def harness(nursery: trio.Nursery) -> AsyncIterator[Harness]:
     async with open_api_client(client_side, ApiClient, token=TOKEN, authority=AUTHORITY) as client:
         harness = Harness(client, upstream, proxy)
 
-        async def open_upstream() -> trio.abc.HalfCloseableStream:
+        async def open_upstream(first: bytes) -> trio.abc.HalfCloseableStream:
             harness.opened += 1
-            return await trio.open_tcp_stream("127.0.0.1", upstream.port)
+            harness.firsts.append(first)
+            stream = await trio.open_tcp_stream("127.0.0.1", upstream.port)
+            await stream.send_all(first)
+            return stream
 
         async def to_port(request: Request) -> StreamResponse | BytesResponse:
             raw_path = header_value(request.stream.headers or [], b":path") or b"/"
@@ -219,7 +224,7 @@ async def harness(nursery: trio.Nursery) -> AsyncIterator[Harness]:
             )
 
         async def unreachable(request: Request) -> StreamResponse | BytesResponse:
-            async def gone() -> trio.abc.HalfCloseableStream:
+            async def gone(first: bytes) -> trio.abc.HalfCloseableStream:
                 raise ApiError(ErrorCode.UNAVAILABLE, "worker w-9 is not connected")
 
             return await proxy.forward(
@@ -359,6 +364,27 @@ async def test_sequential_requests_share_one_upstream_connection(harness: Harnes
     assert harness.opened == 1
 
 
+@pytest.mark.parametrize("limit", [endpoints.FIRST_BYTES_LIMIT, 10])
+async def test_a_new_connections_request_head_goes_with_its_opening_when_small(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """The head travels with the CONNECT that opens the connection (one write, no round trip);
+    one over the limit is sent after the opening. Either way the upstream gets it whole."""
+    monkeypatch.setattr(endpoints, "FIRST_BYTES_LIMIT", limit)
+    for query in ("a=1", "b=2"):
+        response = await harness.client.open("GET", f"/p/hello?{query}")
+        body = await response.read()
+        await response.aclose()
+        assert response.status == 200
+        assert json.loads(body)["target"] == f"/hello?{query}"
+    assert len(harness.firsts) == 1  # the second request reused the connection
+    if limit == 10:
+        assert harness.firsts == [b""]
+    else:
+        assert harness.firsts[0].startswith(b"GET /hello?a=1 HTTP/1.1\r\n")
+        assert harness.firsts[0].endswith(b"\r\n\r\n")
+
+
 async def test_a_kept_connection_the_upstream_closed_is_retried_once(harness: Harness) -> None:
     await _get_json(harness.client, "/p/bye")  # the upstream closes it after answering
     echo = await _get_json(harness.client, "/p/hello?after=bye")
@@ -457,9 +483,10 @@ async def test_an_unreachable_port_is_unavailable(nursery: trio.Nursery) -> None
     for listener in listeners:
         await listener.aclose()  # nothing listens there any more
     proxy = EndpointProxy()
-    opener: Callable[[], Awaitable[trio.abc.HalfCloseableStream]] = functools.partial(
-        trio.open_tcp_stream, "127.0.0.1", port
-    )
+
+    async def opener(first: bytes) -> trio.abc.HalfCloseableStream:
+        return await trio.open_tcp_stream("127.0.0.1", port)
+
     router = Router()
 
     async def handler(request: Request) -> StreamResponse | BytesResponse:
@@ -638,7 +665,9 @@ async def test_closing_upstreams_end_their_streams_without_resets(
                 request,
                 key=("w-strict", "t-1", harness.upstream.port),
                 target="/last",
-                open_stream=lambda: to_worker.connect(f"127.0.0.1:{harness.upstream.port}"),
+                open_stream=lambda first: to_worker.connect(
+                    f"127.0.0.1:{harness.upstream.port}", first=first
+                ),
             )
 
         router.add("GET", "/bye", to_port)

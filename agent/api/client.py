@@ -72,10 +72,11 @@ class WorkerClient(ApiClient):
         assert result is not None
         return result
 
-    async def connect_tcp(self, host: str, port: int) -> H2ByteStream:
-        """A byte stream to `host:port` on the worker's side (endpoint and box-port traffic)."""
+    async def connect_tcp(self, host: str, port: int, *, first: bytes = b"") -> H2ByteStream:
+        """A byte stream to `host:port` on the worker's side (endpoint and box-port traffic);
+        `first` goes with the CONNECT (`ApiClient.connect`)."""
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        return await self.connect(authority)
+        return await self.connect(authority, first=first)
 
     # -- objects (the worker's node-local store, agent.store.objects) --
 

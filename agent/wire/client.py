@@ -190,14 +190,17 @@ class ApiClient:
         except ConnectionLost as exc:
             raise self._unavailable(exc) from None
 
-    async def connect(self, authority: str) -> H2ByteStream:
-        """A plain CONNECT to `authority`: a two-way byte stream (RFC 9113 8.5)."""
+    async def connect(self, authority: str, *, first: bytes = b"") -> H2ByteStream:
+        """A plain CONNECT to `authority`: a two-way byte stream (RFC 9113 8.5). `first`: bytes
+        to send at once, in the same write as the request (an HTTP request's head), instead
+        of a round trip later; the server passes them on only once it has connected, and a
+        refusal discards them, so a refused CONNECT may be tried again with the same."""
         headers: Headers = [
             (b":method", b"CONNECT"),
             (b":authority", authority.encode()),
             *self._credentials(),
         ]
-        return await self._open_tunnel(headers)
+        return await self._open_tunnel(headers, first)
 
     async def open_websocket(self, path: str) -> H2WebSocket:
         """A WebSocket to a route over RFC 8441 extended CONNECT (exec uses it)."""
@@ -214,9 +217,11 @@ class ApiClient:
 
         return H2WebSocket(await self._open_tunnel(headers), client_side=True)
 
-    async def _open_tunnel(self, headers: Headers) -> H2ByteStream:
+    async def _open_tunnel(self, headers: Headers, first: bytes = b"") -> H2ByteStream:
         try:
-            stream = await self.conn.open_stream(headers)
+            stream = await self.conn.open_stream(headers, flush=not first)
+            if first:
+                await stream.send_data(first)
             response_headers = await stream.wait_headers()
         except StreamError as exc:
             raise self._unavailable(exc) from None

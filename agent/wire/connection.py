@@ -884,8 +884,12 @@ class Http2Connection:
 
     # -- client role --
 
-    async def open_stream(self, headers: Headers, *, end_stream: bool = False) -> H2Stream:
-        """Open a new stream by sending its request headers."""
+    async def open_stream(
+        self, headers: Headers, *, end_stream: bool = False, flush: bool = True
+    ) -> H2Stream:
+        """Open a new stream by sending its request headers. With ``flush=False`` they wait
+        for the stream's first bytes (a `send_data` right after), so the two leave in one
+        write."""
         if self._closed:
             raise ConnectionLost(f"connection lost: {self._close_reason}")
         if self._draining:
@@ -915,7 +919,10 @@ class Http2Connection:
                 raise StreamError(f"cannot open stream: {exc}") from None
         if end_stream:
             stream._sent_end = True
-        await self._flush()
+        if flush or end_stream:
+            await self._flush()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         return stream
 
     def forget(self, stream: H2Stream) -> None:

@@ -37,6 +37,9 @@ READ_BYTES = 64 * 1024
 FINISH_WAIT_S = 0.5
 """How long a finished connection's upstream is given to end its side before the stream is
 reset instead."""
+FIRST_BYTES_LIMIT = 16 * 1024
+"""A request head up to this size goes out with the opening of a new byte stream (the CONNECT
+carries it), saving a write and a round trip; a larger one is sent after."""
 REPLAY_LIMIT_BYTES = 64 * 1024
 """Request body bytes kept while a reused connection has not answered, so the request can be
 sent again on a fresh one; a longer body on a dead connection is not retried."""
@@ -256,6 +259,9 @@ class _Upstream:
 
     stream: trio.abc.HalfCloseableStream
     http: h11.Connection = attrs.field(factory=lambda: h11.Connection(h11.CLIENT))
+    prepared: tuple[bytes, bool] | None = None
+    """A new connection's first request, already given to h11: the head bytes still to send
+    (none when they went with the opening) and whether the request has no body."""
     idle_since: float = 0.0
     received_bytes: int = 0
     reusable: bool = True
@@ -372,12 +378,14 @@ class EndpointProxy:
         *,
         key: Hashable,
         target: str,
-        open_stream: Callable[[], Awaitable[trio.abc.HalfCloseableStream]],
+        open_stream: Callable[[bytes], Awaitable[trio.abc.HalfCloseableStream]],
         label: str = "",
     ) -> StreamResponse | BytesResponse:
         """Send `request` to the upstream as `<method> <target> HTTP/1.1` and return its
         response, the body streamed. `key` picks the pool of kept connections (e.g. (worker,
-        task, port)); `open_stream` opens a new byte stream when none is kept; `label` names
+        task, port)); `open_stream(first)` opens a new byte stream when none is kept, with
+        `first` (the request's head, or nothing) sent on it before the stream is returned
+        (a CONNECT carries it with its own request); `label` names
         the upstream in errors (default: "the task's port N" when the key ends with the port).
         Errors: the opener's ApiError as it is; UNAVAILABLE when the upstream gives no HTTP
         answer; INVALID_ARGUMENT when the request cannot be sent as HTTP/1.1. A body the
@@ -395,7 +403,7 @@ class EndpointProxy:
         upstream = await self._take(key)
         reused = upstream is not None
         if upstream is None:
-            upstream = await self._open(open_stream, name)
+            upstream = await self._open(open_stream, name, plan)
         try:
             body.keeping = reused
             exchange = await self._exchange(upstream, plan, body)
@@ -409,7 +417,7 @@ class EndpointProxy:
                 log.debug("%s: kept connection was dead (%s); retrying", name, exchange.failure)
                 await upstream.aclose()
                 body.rewind()
-                upstream = await self._open(open_stream, name)
+                upstream = await self._open(open_stream, name, plan)
                 exchange = await self._exchange(upstream, plan, body)
             body.stop_keeping()
             if exchange.head is None:
@@ -470,16 +478,23 @@ class EndpointProxy:
         await upstream.finish()
 
     async def _open(
-        self, open_stream: Callable[[], Awaitable[trio.abc.HalfCloseableStream]], name: str
+        self,
+        open_stream: Callable[[bytes], Awaitable[trio.abc.HalfCloseableStream]],
+        name: str,
+        plan: UpstreamRequest,
     ) -> _Upstream:
+        """A new connection for `plan`, its request head sent with the opening when small."""
+        http = h11.Connection(h11.CLIENT)
+        head, body_done = _request_head(http, plan)
+        first = head if len(head) <= FIRST_BYTES_LIMIT else b""
         try:
-            stream = await open_stream()
+            stream = await open_stream(first)
         except (OSError, trio.BrokenResourceError) as exc:
             raise ApiError(
                 ErrorCode.UNAVAILABLE,
                 f"cannot reach {name}: {exc}; check that the task is running and listens there",
             ) from None
-        return _Upstream(stream)
+        return _Upstream(stream, http, prepared=(b"" if first else head, body_done))
 
     # -- one attempt --
 
@@ -487,23 +502,13 @@ class EndpointProxy:
         """Send the request head, then the body while waiting for the response head. An
         upstream that answers before taking the whole body gets no more of it."""
         exchange = _Exchange(upstream, plan, body)
+        if upstream.prepared is None:
+            head, exchange.body_done = _request_head(upstream.http, plan)
+        else:
+            (head, exchange.body_done), upstream.prepared = upstream.prepared, None
         try:
-            head = upstream.http.send(
-                h11.Request(
-                    method=plan.method.encode("ascii"),
-                    target=plan.target.encode("ascii"),
-                    headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in plan.headers],
-                )
-            )
-            if plan.framing is Framing.NONE:
-                head = (head or b"") + (upstream.http.send(h11.EndOfMessage()) or b"")
-                exchange.body_done = True
-        except (h11.LocalProtocolError, UnicodeEncodeError) as exc:
-            raise ApiError(
-                ErrorCode.INVALID_ARGUMENT, f"the request cannot be sent as HTTP/1.1: {exc}"
-            ) from None
-        try:
-            await upstream.stream.send_all(head or b"")
+            if head:
+                await upstream.stream.send_all(head)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             exchange.failure = f"the connection broke while sending the request: {exc}"
             return exchange
@@ -661,6 +666,26 @@ class EndpointProxy:
             status=response.status,
             headers=response.headers,
         )
+
+
+def _request_head(http: h11.Connection, plan: UpstreamRequest) -> tuple[bytes, bool]:
+    """`plan`'s request head given to h11: its bytes, and whether the request is complete
+    with them (no body). INVALID_ARGUMENT when it cannot be sent as HTTP/1.1."""
+    try:
+        head = http.send(
+            h11.Request(
+                method=plan.method.encode("ascii"),
+                target=plan.target.encode("ascii"),
+                headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in plan.headers],
+            )
+        )
+        if plan.framing is Framing.NONE:
+            return (head or b"") + (http.send(h11.EndOfMessage()) or b""), True
+    except (h11.LocalProtocolError, UnicodeEncodeError) as exc:
+        raise ApiError(
+            ErrorCode.INVALID_ARGUMENT, f"the request cannot be sent as HTTP/1.1: {exc}"
+        ) from None
+    return head or b"", False
 
 
 def _describe(key: Hashable) -> str:

@@ -338,9 +338,11 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
         raw = request.path + (f"?{request.raw_query}" if request.raw_query else "")
         target = upstream_target(raw, strip_segments=5)
 
-        async def open_stream() -> trio.abc.HalfCloseableStream:
+        async def open_stream(first: bytes) -> trio.abc.HalfCloseableStream:
             try:
-                return await dispatcher.on_worker(worker, lambda c: c.connect_tcp(record.id, port))
+                return await dispatcher.on_worker(
+                    worker, lambda c: c.connect_tcp(record.id, port, first=first)
+                )
             except WorkerLost as exc:
                 raise ApiError(ErrorCode.UNAVAILABLE, str(exc)) from None
 

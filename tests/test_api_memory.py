@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import trio
@@ -13,7 +13,7 @@ from agent.api.client import WorkerClient, open_worker_client
 from agent.daemon.routes import WorkerState, build_router
 from agent.wire.connection import Http2Connection
 from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import ConnectPolicy, Service, bearer_auth
+from agent.wire.service import ConnectPolicy, Request, Router, Service, bearer_auth
 
 TOKEN = "s3cr3t-token"
 
@@ -46,6 +46,45 @@ async def test_unknown_route_is_not_found(client: WorkerClient) -> None:
     with pytest.raises(ApiError) as err:
         await client.call("GET", "/v1/nope")
     assert err.value.code is ErrorCode.NOT_FOUND
+
+
+def test_the_router_picks_the_first_route_added_that_matches() -> None:
+    """Routes are looked up among those that fit the path's length; the order they were added
+    in still decides, a `{rest...}` route takes deeper paths, a route added after a lookup is
+    found, and a path served under other methods names them."""
+
+    def handler(name: str) -> Callable[[Request], Awaitable[str]]:
+        async def serve(request: Request) -> str:
+            return name
+
+        return serve
+
+    router = Router()
+    router.add("GET", "/v1/tasks/{id}/ports/{port}/{rest...}", handler("endpoint"))
+    router.add("GET", "/v1/tasks/{id}", handler("task"))
+    router.add("GET", "/v1/tasks/special", handler("never: added after {id}"))
+    router.add("POST", "/v1/tasks/{id}/cancel", handler("cancel"))
+
+    def found(method: str, path: str) -> tuple[str, dict[str, str]]:
+        route, params = router.find(method, path)
+        return route.pattern, params
+
+    assert found("GET", "/v1/tasks/t-1") == ("/v1/tasks/{id}", {"id": "t-1"})
+    assert found("GET", "/v1/tasks/special") == ("/v1/tasks/{id}", {"id": "special"})
+    assert found("GET", "/v1/tasks/t-1/ports/80/a/b/c.html") == (
+        "/v1/tasks/{id}/ports/{port}/{rest...}",
+        {"id": "t-1", "port": "80", "rest": "a/b/c.html"},
+    )
+    assert found("GET", "/v1/tasks/t-1/ports/80")[1]["rest"] == ""
+    with pytest.raises(ApiError) as err:
+        router.find("GET", "/v1/tasks/t-1/cancel")
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT
+    assert "use POST" in err.value.message
+    with pytest.raises(ApiError) as err:
+        router.find("GET", "/v1/tasks/t-1/logs")
+    assert err.value.code is ErrorCode.NOT_FOUND
+    router.add("GET", "/v1/tasks/{id}/logs", handler("logs"))
+    assert found("GET", "/v1/tasks/t-1/logs")[0] == "/v1/tasks/{id}/logs"
 
 
 async def test_wrong_token_is_refused_before_routing(nursery: trio.Nursery) -> None:

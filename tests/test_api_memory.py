@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -40,6 +42,20 @@ async def test_health_and_worker(client: WorkerClient) -> None:
     assert info.worker_id == "w-1"
     assert info.mode == "direct"
     assert info.uptime_s >= 0
+
+
+async def test_answers_carry_the_current_date(client: WorkerClient) -> None:
+    """Each answer's Date is the server's clock to the second (the self-check compares it
+    with its own), also when answers a second apart share no formatting work."""
+    for _ in range(3):
+        before = int(time.time())
+        response = await client.open("GET", "/v1/health")
+        await response.read()
+        await response.aclose()
+        after = int(time.time())
+        sent = email.utils.parsedate_to_datetime(response.headers["date"]).timestamp()
+        assert before <= sent <= after
+        await trio.sleep(0.6)
 
 
 async def test_unknown_route_is_not_found(client: WorkerClient) -> None:

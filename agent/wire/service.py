@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import functools
 import hmac
 import ipaddress
 import logging
@@ -289,7 +290,13 @@ def _decode(headers: Headers) -> dict[str, str]:
 
 def _date() -> bytes:
     """The `date` header (RFC 9110 6.6.1): callers compare it with their clock (self-check)."""
-    return email.utils.formatdate(usegmt=True).encode()
+    return _http_date(int(time.time()))
+
+
+@functools.lru_cache(maxsize=1)
+def _http_date(second: int) -> bytes:
+    """It names whole seconds: formatted once a second, not once a response."""
+    return email.utils.formatdate(second, usegmt=True).encode()
 
 
 def _error_headers(status: int) -> Headers:

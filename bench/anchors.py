@@ -29,9 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import psutil
@@ -39,8 +40,14 @@ import trio
 
 from bench.report import render_table, write_report
 
-OpenStream = Callable[[], Awaitable[trio.abc.Stream]]
-"""Opens a new byte stream to the sink, by whatever path is under test."""
+
+class OpenStream(Protocol):
+    """Opens a new byte stream to the sink, by whatever path is under test, with `first` sent
+    on it as early as the path allows: over TCP, right after the connect; through a worker,
+    with the CONNECT itself (what the endpoint route does with a request's head)."""
+
+    def __call__(self, first: bytes = b"") -> Awaitable[trio.abc.Stream]: ...
+
 
 # Bounds on starting and stopping helper processes; measurements themselves take no timeout, the
 # caller wraps them (trio.fail_after) where it wants one.
@@ -380,8 +387,11 @@ async def _wait_allocated_port(process: trio.Process, log_path: Path) -> int:
 def tcp_opener(port: int, host: str = "127.0.0.1") -> OpenStream:
     """An `OpenStream` that connects straight to `host`:`port` over TCP."""
 
-    async def open_stream() -> trio.abc.Stream:
-        return await trio.open_tcp_stream(host, port)
+    async def open_stream(first: bytes = b"") -> trio.abc.Stream:
+        stream = await trio.open_tcp_stream(host, port)
+        if first:
+            await stream.send_all(first)
+        return stream
 
     return open_stream
 
@@ -533,17 +543,19 @@ async def measure_stream(
 
 
 async def measure_connects(
-    open_stream: OpenStream, *, count: int, message_bytes: int = 64
+    open_stream: OpenStream, *, count: int, message_bytes: int = 64, early: bool = False
 ) -> list[float]:
     """Seconds from asking for a new stream to the end of its first echo exchange, `count` times,
-    one stream after another; closing a stream is not timed.
+    one stream after another; closing a stream is not timed. `early`: the first message goes
+    with the opening (`OpenStream`'s `first`), not after the stream is there.
     """
     message = os.urandom(message_bytes)
     samples: list[float] = []
     for _ in range(count):
         started = time.perf_counter()
-        async with await open_stream() as stream:
-            await stream.send_all(b"E" + message)
+        async with await open_stream(b"E" + message if early else b"") as stream:
+            if not early:
+                await stream.send_all(b"E" + message)
             echoed = await receive_exactly(stream, message_bytes)
             samples.append(time.perf_counter() - started)
         if echoed != message:

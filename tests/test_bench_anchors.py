@@ -66,10 +66,12 @@ async def test_direct_tcp_measurements_move_real_bytes(no_leftover_processes: se
         assert await measure_download(open_stream, streams=2, total_bytes=SMALL_BYTES) > 0
         round_trips = await measure_round_trips(open_stream, count=20)
         connects = await measure_connects(open_stream, count=5)
+        early = await measure_connects(open_stream, count=5, early=True)
     assert len(round_trips) == 20
     assert min(round_trips) > 0
     assert len(connects) == 5
     assert min(connects) > 0
+    assert len(early) == 5  # the echo checked: the message sent with the opening came back
 
 
 async def test_sink_acknowledges_only_after_every_byte() -> None:

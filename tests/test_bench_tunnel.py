@@ -29,6 +29,7 @@ REQUIRED_RATIOS = (
     "rtt_p50_tunnel_vs_ssh",
     "stream_p99_tunnel_vs_ssh",
     "connect_p50_tunnel_vs_ssh",
+    "connect_early_p50_tunnel_vs_ssh",
 )
 
 

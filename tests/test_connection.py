@@ -223,6 +223,106 @@ async def test_answers_sent_at_once_leave_together_in_a_few_writes() -> None:
         assert counted[0].writes - before <= 4
 
 
+class GatedStream(trio.abc.Stream):
+    """Holds each write, while `gated`, until the test lets one through (`allow`)."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.gated = False
+        self.held = 0
+        self.passed = 0
+        """Writes let through while gated."""
+        self._permits = 0
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def allow(self, writes: int = 1) -> None:
+        self._permits += writes
+        self._lot.unpark_all()
+
+    def open(self) -> None:
+        self.gated = False
+        self._lot.unpark_all()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        while self.gated and not self._permits:
+            self.held += 1
+            try:
+                await self._lot.park()
+            finally:
+                self.held -= 1
+        if self.gated:
+            self._permits -= 1
+            self.passed += 1
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_small_send_never_waits_behind_another_and_a_writer_soon_goes_back() -> None:
+    """While one stream's task is writing, others' small sends return at once (their frames go
+    with that task's next write); and that task, with others sending all the while, is back on
+    its own stream after a few writes, the rest written by the connection itself."""
+    received: dict[str, bytes] = {}
+
+    async def collect(stream: H2Stream) -> None:
+        received[path_of(stream)] = await stream.read_all(MiB)
+        await stream.send_headers(OK, end_stream=True)
+
+    gates: list[GatedStream] = []
+
+    def gated(transport: trio.abc.Stream) -> trio.abc.Stream:
+        gates.append(GatedStream(transport))
+        return gates[-1]
+
+    async with open_pair(collect, wrap_client_transport=gated) as pair:
+        gate = gates[0]
+        streams = [await pair.client.open_stream(request(f"/s/{n}", b"POST")) for n in range(4)]
+        sent = [b""] * 4
+        writer_back = trio.Event()
+
+        async def write_first() -> None:
+            await streams[0].send_data(b"first")
+            writer_back.set()
+
+        with trio.fail_after(30):
+            gate.gated = True
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write_first)
+                await wait_until(lambda: gate.held == 1)  # the writer is in its write
+                for n in (1, 2, 3):
+                    await streams[n].send_data(b"x")  # returns though the write is held
+                    sent[n] += b"x"
+
+                def settled(writes: int) -> bool:
+                    return gate.passed == writes and (gate.held > 0 or writer_back.is_set())
+
+                try:
+                    for writes in range(1, 9):
+                        await streams[writes % 3 + 1].send_data(b"y")
+                        sent[writes % 3 + 1] += b"y"
+                        gate.allow()
+                        await wait_until(partial(settled, writes))
+                        if writer_back.is_set():
+                            break
+                finally:
+                    gate.open()
+                assert writer_back.is_set() and writes <= 4, "it kept writing for the others"
+            for stream in streams:
+                await stream.end()
+                await stream.wait_headers()
+            assert received == {
+                "/s/0": b"first",
+                **{f"/s/{n}": sent[n] for n in (1, 2, 3)},
+            }
+
+
 # -- flow control --
 
 

@@ -107,6 +107,10 @@ def header_value(headers: Headers, name: bytes) -> bytes | None:
     return None
 
 
+WRITES_PER_TURN = 4
+"""Writes a stream's task makes for the connection in one turn before it leaves the rest to the
+connection's own flush (`Http2Connection._write_queued`)."""
+
 COALESCE_BELOW_BYTES = 16 * 1024
 """A stream's flush of fewer queued bytes than this, on a connection with other streams open,
 first lets those streams queue theirs, so small answers share a write; a bulk transfer's writes,
@@ -772,7 +776,9 @@ class Http2Connection:
 
     # -- writing --
 
-    async def _flush(self, *, gather: bool = False, wait: bool = False) -> None:
+    async def _flush(
+        self, *, gather: bool = False, wait: bool = False, scheduled: bool = False
+    ) -> None:
         """Send what h2 has queued. A write, once started, is never cut by cancellation (a
         half-written frame would corrupt every stream); it is bounded by the write timeout
         instead, past which the peer is taken to have stopped reading and the connection
@@ -785,7 +791,9 @@ class Http2Connection:
         write. Only a flush with more than `COALESCE_BELOW_BYTES` queued waits for its turn,
         which is what holds a bulk sender to the pace of the socket, and one that must `wait`
         until its frames are on the wire (a GOAWAY before the transport closes). A flush with
-        nothing queued is no scheduler pass: a caller that promises one makes its own."""
+        nothing queued is no scheduler pass: a caller that promises one makes its own.
+        `scheduled`: the connection's own flush (`_flush_later`), which may write for as long
+        as frames keep coming."""
         if not self._proto.has_data_to_send():
             await trio.lowlevel.checkpoint_if_cancelled()
             return
@@ -813,7 +821,7 @@ class Http2Connection:
                 # this one once that is done.
                 await self._write_lock.acquire()
             try:
-                await self._write_queued()
+                await self._write_queued(hand_over=not scheduled)
             finally:
                 self._write_lock.release()
         except trio.Cancelled:
@@ -822,13 +830,19 @@ class Http2Connection:
             self._flush_later()
             raise
 
-    async def _write_queued(self) -> None:
+    async def _write_queued(self, *, hand_over: bool) -> None:
         """Write what h2 holds, and again what it holds after that, until nothing is left;
-        called with the write lock held. Others' frames queued meanwhile go with these."""
+        called with the write lock held. Others' frames queued meanwhile go with these.
+
+        A task that waits for the lock (a bulk sender) ends the turn: it writes what is left,
+        in its order. `hand_over`: after `WRITES_PER_TURN` writes the rest is left to the
+        connection's own flush, so a stream's task that happened to be writing goes back to
+        its stream instead of writing for the others while they keep sending."""
         parts = self._proto.take_parts()
         if not parts:
             await trio.lowlevel.checkpoint()
             return
+        writes = 0
         while parts:
             self.bytes_sent += sum(len(part) for part in parts)
             with trio.CancelScope(shield=True):
@@ -847,6 +861,14 @@ class Http2Connection:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(self.transport)
                 raise ConnectionLost(f"connection lost: {reason}")
+            writes += 1
+            if not self._proto.has_data_to_send():
+                return
+            if self._write_lock.statistics().tasks_waiting:
+                return  # the next holder writes the rest
+            if hand_over and writes >= WRITES_PER_TURN:
+                self._flush_later()
+                return
             parts = self._proto.take_parts()
 
     def _flush_later(self) -> None:
@@ -865,7 +887,7 @@ class Http2Connection:
     async def _flush_scheduled_frames(self) -> None:
         try:
             with contextlib.suppress(trio.BrokenResourceError):
-                await self._flush()
+                await self._flush(scheduled=True)
         finally:
             # Cleared only now, so a cancelled flush here does not schedule another.
             self._flush_scheduled = False

@@ -401,6 +401,30 @@ MESSAGES = {
 }
 
 
+def test_resets_of_answered_streams_are_cancellations_not_a_flood() -> None:
+    """A controlplane relays its clients' cancellations: streams the worker answered, then
+    reset. Ten times the limit of those leave the connection open; resets of streams not yet
+    answered (the rapid reset) still count, as many as the limit and no more, mixed in or not."""
+    limit = 50
+    wire = connected(server_settings=flood_settings(max_resets_per_window=limit))
+    client, server = wire.client, wire.server
+    for _ in range(10 * limit):
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(sid, REQUEST)
+        wire.pump()
+        server.h2.send_headers(sid, RESPONSE)  # the worker answers (a CONNECT's 200, say)
+        wire.pump()
+        client.h2.reset_stream(sid, ErrorCodes.CANCEL)
+        wire.pump()
+    assert not server.closed
+    for _ in range(limit):
+        server.receive_data(open_and_reset(wire), now=1.0)
+    assert not server.closed
+    with pytest.raises(ProtocolViolation, match="RST_STREAM") as err:
+        server.receive_data(open_and_reset(wire), now=1.0)
+    assert err.value.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+
+
 @pytest.mark.parametrize("kind", FLOODS)
 def test_flood_is_answered_with_enhance_your_calm(kind: str) -> None:
     field, frame_bytes = FLOODS[kind]

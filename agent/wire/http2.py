@@ -76,6 +76,12 @@ class Http2Settings:
     frames almost never (a stream ends with END_STREAM set on its last frame, or one empty
     DATA frame carrying the flag, which is not counted). Frames on a closed stream are each
     answered with a RST_STREAM; a peer sends some that were in flight, not a stream of them.
+
+    A RST_STREAM counts only for a stream we have not answered yet: that is the rapid reset
+    (CVE-2023-44487), streams opened and dropped faster than their handlers can finish. A
+    stream reset after our headers went is a request cancelled once its work was done or
+    under way, which costs the peer a round trip each; a controlplane relaying many clients'
+    cancellations to one worker sends those by the thousand, and must not be cut off for it.
     """
 
     stream_window_bytes: int = 8 * 1024 * 1024
@@ -130,6 +136,7 @@ class _FrameHead:
     flags: int
     payload: int
     """Bytes of content: the length less padding for a padded DATA frame."""
+    stream_id: int = 0
 
 
 class _FrameScanner:
@@ -175,7 +182,8 @@ class _FrameScanner:
                 at += step
                 if len(self._header) == 9:
                     length = int.from_bytes(self._header[:3], "big")
-                    head = _FrameHead(length, self._header[3], self._header[4], length)
+                    stream_id = int.from_bytes(self._header[5:9], "big") & 0x7FFFFFFF
+                    head = _FrameHead(length, self._header[3], self._header[4], length, stream_id)
                     self._header.clear()
                     self._skip = length
                     if head.type == _DATA and head.flags & _PADDED and length:
@@ -535,6 +543,11 @@ class Http2Protocol:
         if head.flags & _END_HEADERS:
             self._header_block_bytes = 0
 
+    def _answered(self, stream_id: int) -> bool:
+        """We have sent this open stream's headers (a server: its response has begun)."""
+        stream = self.h2.streams.get(stream_id)
+        return stream is not None and bool(stream.state_machine.headers_sent)
+
     def _count(self, head: _FrameHead, now: float) -> None:
         """Count a frame against the flood limit of its kind, if it has one."""
         counter: _FloodCounter | None = None
@@ -552,7 +565,8 @@ class Http2Protocol:
             if not head.flags & _ACK:
                 counter = self._settings_changes
         elif kind == _RST_STREAM:
-            counter = self._resets
+            if not self._answered(head.stream_id):
+                counter = self._resets
         elif kind == _PRIORITY:
             counter = self._priorities
         elif kind == _WINDOW_UPDATE:

@@ -85,7 +85,9 @@ class Plan:
 QUICK = Plan(first_logs=3, concurrency=16, duration_s=1.0, sse_events=300)
 FULL = Plan(first_logs=10, concurrency=16, duration_s=5.0, sse_events=1000)
 
-FIRST_LOG_TARGET_S = 0.5
+FIRST_LOG_TARGET_S = 0.25
+"""From `levers9 run` to its first log line, with a warm worker and a cached image."""
+CLI_START_TARGET_S = 0.15
 RATIOS = {
     "first_log_vs_runc": ("first_log_s", "runc_first_log_s"),
     "first_log_api_vs_runc": ("first_log_api_s", "runc_first_log_s"),
@@ -285,6 +287,18 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "control.cli", *args]
 
 
+async def compile_as_installed() -> None:
+    """Write the bytecode of our packages, as pip does for a wheel it installs, so the CLI is
+    timed as a user runs it. With PYTHONDONTWRITEBYTECODE set (this machine kind sets it) an
+    editable checkout has none, and every CLI run compiled its modules again (35 ms of 0.31 s
+    measured)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    packages = [str(REPO / name) for name in ("agent", "control")]
+    await trio.run_process(
+        [sys.executable, "-m", "compileall", "-q", *packages], env=env, capture_stdout=True
+    )
+
+
 async def measure_first_logs(
     cluster: Cluster, image: str, bundle: Path, runc_root: Path, repeats: int
 ) -> dict[str, list[float]]:
@@ -295,6 +309,7 @@ async def measure_first_logs(
         done = await client.wait_task(warm.id)
     if done.state != "succeeded":
         raise BenchError(f"the warm-up task ended {done.state}: {done}")
+    await compile_as_installed()
     await time_to_line(_cli("run", image, "--", "echo", GREETING), GREETING, env=env)
     await runc_first_log(runc_root, bundle, -1)
     samples: dict[str, list[float]] = {"cli": [], "api": [], "runc": [], "startup": []}
@@ -759,10 +774,13 @@ def render(report: Mapping[str, Mapping[str, float]]) -> str:
     table = render_sections(report["figures"], report["anchors"], report["ratios"])
     first = report["figures"]["first_log_s"]
     verdict = "ok" if first <= FIRST_LOG_TARGET_S else "MISSED"
+    start = report["figures"]["cli_startup_s"]
     lines = [
         f"{table}\n",
         f"target: first_log_s <= {FIRST_LOG_TARGET_S:g} s "
         f"(median {first:.3f} s: {verdict}); the CLI's own start-up is cli_startup_s",
+        f"target: cli_startup_s <= {CLI_START_TARGET_S:g} s (median {start:.3f} s: "
+        f"{'ok' if start <= CLI_START_TARGET_S else 'MISSED'})",
     ]
     for name, (sense, bound) in TARGETS.items():
         value = report["ratios"].get(name)

@@ -69,6 +69,17 @@ async def node_port(nursery: trio.Nursery) -> int:
     return int(listeners[0].socket.getsockname()[1])
 
 
+async def _echoes(worker: WorkerClient, host: str, port: int) -> bytes:
+    stream = await worker.connect_tcp(host, port)
+    await stream.send_all(b"ping " + host.encode())
+    await stream.send_eof()
+    echoed = b""
+    while data := await stream.receive_some():
+        echoed += data
+    await stream.aclose()
+    return echoed
+
+
 # -- the worker: its loopback only behind the setting ----------------------------------------------
 
 
@@ -90,30 +101,12 @@ async def test_loopback_connect_is_carried_with_the_setting_on(
     nursery: trio.Nursery, node_port: int
 ) -> None:
     async with _worker(nursery, _config(loopback_connect=True)) as worker:
-        stream = await worker.connect_tcp("127.0.0.1", node_port)
-        await stream.send_all(b"ping")
-        await stream.send_eof()
-        echoed = b""
-        while data := await stream.receive_some():
-            echoed += data
-        await stream.aclose()
-        assert echoed == b"ping"
+        assert await _echoes(worker, "127.0.0.1", node_port) == b"ping 127.0.0.1"
         # The setting opens the loopback, nothing else.
         with pytest.raises(ApiError) as err:
             await worker.connect_tcp("10.1.2.3", 80)
         assert err.value.code is ErrorCode.PERMISSION_DENIED
         assert "only its loopback" in err.value.message
-
-
-async def _echoes(worker: WorkerClient, host: str, port: int) -> bytes:
-    stream = await worker.connect_tcp(host, port)
-    await stream.send_all(b"ping " + host.encode())
-    await stream.send_eof()
-    echoed = b""
-    while data := await stream.receive_some():
-        echoed += data
-    await stream.aclose()
-    return echoed
 
 
 async def test_connect_reaches_ipv4_and_ipv6_addresses_and_names_a_closed_port(

@@ -223,11 +223,30 @@ async def test_answers_sent_at_once_leave_together_in_a_few_writes() -> None:
         assert counted[0].writes - before <= 4
 
 
-class GatedStream(trio.abc.Stream):
-    """Holds each write, while `gated`, until the test lets one through (`allow`)."""
+class WrappedStream(trio.abc.Stream):
+    """A transport passed through to `inner`; the wrappers below change one thing each."""
 
     def __init__(self, inner: trio.abc.Stream) -> None:
         self.inner = inner
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class GatedStream(WrappedStream):
+    """Holds each write, while `gated`, until the test lets one through (`allow`)."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        super().__init__(inner)
         self.gated = False
         self.held = 0
         self.passed = 0
@@ -254,15 +273,6 @@ class GatedStream(trio.abc.Stream):
             self._permits -= 1
             self.passed += 1
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def test_a_small_send_never_waits_behind_another_and_a_writer_soon_goes_back() -> None:
@@ -470,12 +480,12 @@ async def test_a_client_forgetting_unread_responses_does_not_shrink_the_window(
 # -- liveness --
 
 
-class MuteStream(trio.abc.Stream):
+class MuteStream(WrappedStream):
     """Passes bytes both ways until `mute()`; after that swallows everything it is sent.
     Counts the writes it is given."""
 
     def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.muted = False
         self.writes = 0
 
@@ -488,15 +498,6 @@ class MuteStream(trio.abc.Stream):
             await trio.lowlevel.checkpoint()
             return
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 def muting(streams: list[MuteStream]) -> Callable[[trio.abc.Stream], trio.abc.Stream]:
@@ -599,11 +600,11 @@ async def test_drain_lets_the_stream_in_flight_finish_and_refuses_new_ones(
         assert not pair.server.closed and not pair.client.closed
 
 
-class HeldStream(trio.abc.Stream):
+class HeldStream(WrappedStream):
     """Holds back what it receives while `held` (a peer, or a network, that is slow to deliver)."""
 
     def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._gate = trio.Event()
         self._gate.set()
 
@@ -613,19 +614,10 @@ class HeldStream(trio.abc.Stream):
     def release(self) -> None:
         self._gate.set()
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         data = await self.inner.receive_some(max_bytes)
         await self._gate.wait()
         return data
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def test_a_stream_opened_as_the_server_drains_is_refused() -> None:
@@ -746,11 +738,11 @@ async def test_the_peer_closing_mid_stream_fails_open_streams_with_connection_lo
             await pair.client.open_stream(request("/again"))
 
 
-class BreakableStream(trio.abc.Stream):
+class BreakableStream(WrappedStream):
     """Passes bytes both ways until `break_writes()`; after that every send fails."""
 
     def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.broken = False
 
     def break_writes(self) -> None:
@@ -761,15 +753,6 @@ class BreakableStream(trio.abc.Stream):
         if self.broken:
             raise trio.BrokenResourceError("connection reset by peer")
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def test_a_transport_failing_on_write_closes_the_connection_cleanly() -> None:

@@ -385,6 +385,31 @@ async def test_a_new_connections_request_head_goes_with_its_opening_when_small(
         assert harness.firsts[0].endswith(b"\r\n\r\n")
 
 
+async def test_a_request_http11_cannot_carry_is_refused_before_any_connection_opens(
+    harness: Harness,
+) -> None:
+    """HTTP/2 lets through a header name HTTP/1.1 forbids: the client hears which, and no
+    stream to the task's port was opened for it."""
+    stream = await harness.client.conn.open_stream(
+        [
+            (b":method", b"GET"),
+            (b":scheme", b"https"),
+            (b":authority", AUTHORITY.encode()),
+            (b":path", b"/p/x"),
+            (b"authorization", f"Bearer {TOKEN}".encode()),
+            (b"bad{name", b"v"),
+        ],
+        end_stream=True,
+    )
+    headers = await stream.wait_headers()
+    error = json.loads(await stream.read_all(1 << 20))
+    harness.client.conn.forget(stream)
+    assert header_value(headers, b":status") == b"400"
+    assert error["code"] == "INVALID_ARGUMENT"
+    assert "cannot be sent as HTTP/1.1" in error["message"] and "bad{name" in error["message"]
+    assert harness.opened == 0
+
+
 async def test_a_kept_connection_the_upstream_closed_is_retried_once(harness: Harness) -> None:
     await _get_json(harness.client, "/p/bye")  # the upstream closes it after answering
     echo = await _get_json(harness.client, "/p/hello?after=bye")

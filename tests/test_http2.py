@@ -751,6 +751,28 @@ def test_long_header_values_go_out_as_plain_literals_and_arrive_intact() -> None
     assert (b"x-long", value) in list(request.headers or [])
 
 
+def test_a_token_goes_never_indexed_and_not_huffman_coded_on_every_request() -> None:
+    """The bearer token is never put in either side's table (it goes with every request), and
+    is sent as it is: Huffman-coding it cost both ends CPU on every request."""
+    wire = connected()
+    token = b"Bearer 3q2-7wXnTz_g9kLmPQ4s0aVbYcRdUeFf1hJiKlMn"
+    headers = [*REQUEST, (b"authorization", token)]
+    for sid in (1, 3):
+        wire.client.h2.send_headers(sid, headers, end_stream=True)
+        block = wire.client.data_to_send()
+        assert token in block
+        events = wire.server.receive_data(block, now=0.0)
+        request = next(e for e in events if isinstance(e, h2.events.RequestReceived))
+        received = dict(request.headers or [])
+        assert received[b"authorization"] == token
+        assert isinstance(
+            next(h for h in request.headers or [] if h[0] == b"authorization"),
+            hpack.NeverIndexedHeaderTuple,
+        )
+    for side in (wire.client.h2.encoder, wire.server.h2.decoder):
+        assert all(value != token for _, value in side.header_table.dynamic_entries)
+
+
 def test_headers_over_the_peers_limit_are_refused_before_anything_is_sent() -> None:
     wire = connected()
     limit = Http2Settings().max_header_list_bytes

@@ -20,6 +20,7 @@ import trio.lowlevel
 import trio.testing
 
 from agent.wire.connection import (
+    WRITES_PER_TURN,
     ConnectionLost,
     H2ByteStream,
     H2Stream,
@@ -76,8 +77,17 @@ async def open_pair(
     client_keepalive: KeepaliveConfig | None = None,
     wrap_server_transport: Callable[[trio.abc.Stream], trio.abc.Stream] = lambda t: t,
     wrap_client_transport: Callable[[trio.abc.Stream], trio.abc.Stream] = lambda t: t,
+    sockets: bool = False,
 ) -> AsyncIterator[Pair]:
-    server_end, client_end = trio.testing.memory_stream_pair()
+    """A connected pair over memory streams, or over a socket pair (`sockets`), whose writes
+    take one scheduler pass where a memory stream's take several."""
+    server_end: trio.abc.Stream
+    client_end: trio.abc.Stream
+    if sockets:
+        server_socket, client_socket = trio.socket.socketpair()
+        server_end, client_end = trio.SocketStream(server_socket), trio.SocketStream(client_socket)
+    else:
+        server_end, client_end = trio.testing.memory_stream_pair()
     server_transport = wrap_server_transport(server_end)
     client_transport = wrap_client_transport(client_end)
     server = Http2Connection(
@@ -331,6 +341,62 @@ async def test_a_small_send_never_waits_behind_another_and_a_writer_soon_goes_ba
                 "/s/0": b"first",
                 **{f"/s/{n}": sent[n] for n in (1, 2, 3)},
             }
+
+
+async def test_what_a_writer_hands_back_is_sent_though_the_connections_flush_had_started() -> None:
+    """A writer whose turn ends hands what is still queued to the connection's own flush. That
+    flush may have started already and found the writer busy; it still sends what it is handed,
+    on a connection where nothing else is sent. (Before, those frames waited for the next
+    write, and a quiet connection has none.) The interleaving depends on trio's order within a
+    scheduler pass, so it is tried 20 times; over a socket pair, whose writes take one pass as
+    a real connection's do."""
+    arrived: dict[str, bytearray] = {}
+
+    async def record(stream: H2Stream) -> None:
+        got = arrived.setdefault(path_of(stream), bytearray())
+        while chunk := await stream.receive_some():
+            got += chunk
+        await stream.send_headers(OK, end_stream=True)
+
+    gates: list[GatedStream] = []
+
+    def gated(transport: trio.abc.Stream) -> trio.abc.Stream:
+        gates.append(GatedStream(transport))
+        return gates[-1]
+
+    async with open_pair(record, wrap_client_transport=gated, sockets=True) as pair:
+        gate, client = gates[0], pair.client
+
+        def in_write(passed: int) -> bool:
+            """`passed` writes went through and the next one is held."""
+            return gate.passed == passed and gate.held == 1
+
+        for trial in range(20):
+            writer = await client.open_stream(request(f"/{trial}/writer", b"POST"))
+            other = await client.open_stream(request(f"/{trial}/other", b"POST"))
+            with trio.fail_after(30):
+                gate.gated = True
+                before = gate.passed
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(writer.send_data, b"w")
+                    await wait_until(lambda: gate.held == 1)
+                    for writes in range(1, WRITES_PER_TURN):
+                        await other.send_data(b"y")  # returns at once: the writer sends it
+                        gate.allow()
+                        await wait_until(partial(in_write, before + writes))
+                    # The writer is in the last write of its turn, and more is queued: it
+                    # will hand that back. In this same pass the connection's own flush starts,
+                    # as a send whose caller is cancelled at that moment starts it.
+                    await other.send_data(b"z")
+                    gate.allow(2)
+                    client._flush_later()
+                await trio.testing.wait_all_tasks_blocked()
+                assert bytes(arrived[f"/{trial}/other"]) == b"yyyz", f"trial {trial}: z not sent"
+                gate.open()
+                for stream in (writer, other):
+                    await stream.end()
+                    await stream.wait_headers()
+            assert bytes(arrived[f"/{trial}/writer"]) == b"w"
 
 
 # -- flow control --

@@ -793,13 +793,15 @@ class Http2Connection:
         until its frames are on the wire (a GOAWAY before the transport closes). A flush with
         nothing queued is no scheduler pass: a caller that promises one makes its own.
         `scheduled`: the connection's own flush (`_flush_later`), which may write for as long
-        as frames keep coming."""
+        as frames keep coming, and which waits for a write in progress instead of leaving its
+        frames to it: that writer may be handing them back to this flush, which while it runs
+        is the one `_flush_later` counts on."""
         if not self._proto.has_data_to_send():
             await trio.lowlevel.checkpoint_if_cancelled()
             return
         try:
             small = self._proto.queued_bytes() < COALESCE_BELOW_BYTES
-            if self._write_lock.locked() and small and not wait:
+            if self._write_lock.locked() and small and not wait and not scheduled:
                 await trio.lowlevel.checkpoint()
                 return
             if small and gather and len(self._streams) > 1:

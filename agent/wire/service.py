@@ -567,8 +567,8 @@ async def splice(a: trio.abc.HalfCloseableStream, b: trio.abc.HalfCloseableStrea
             nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump, a, b)
         nursery.start_soon(pump, b, a)
+        await pump(a, b)  # in this task: one task fewer to start per connection
 
 
 __all__ = [

@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from agent.wire.client import ApiClient, open_api_client
-from agent.wire.connection import Http2Connection, header_value
+from agent.wire.connection import Headers, Http2Connection, header_value
 from agent.wire.errors import ApiError, ErrorCode
 from agent.wire.http2 import Http2Settings
 from agent.wire.service import (
@@ -194,6 +194,25 @@ class Harness:
     def key(self) -> tuple[str, str, int]:
         return ("w-1", "t-1", self.upstream.port)
 
+    async def get(self, path: bytes, headers: Headers) -> tuple[Headers, bytes]:
+        """A GET of `path` with the token and `headers` as they are, past what `ApiClient`
+        would send: the answer's headers and body."""
+        stream = await self.client.conn.open_stream(
+            [
+                (b":method", b"GET"),
+                (b":scheme", b"https"),
+                (b":authority", AUTHORITY.encode()),
+                (b":path", path),
+                (b"authorization", f"Bearer {TOKEN}".encode()),
+                *headers,
+            ],
+            end_stream=True,
+        )
+        answer = await stream.wait_headers()
+        body = await stream.read_all(1 << 20)
+        self.client.conn.forget(stream)
+        return answer, body
+
 
 @pytest.fixture
 async def harness(nursery: trio.Nursery) -> AsyncIterator[Harness]:
@@ -278,22 +297,14 @@ async def test_get_with_query_returns_status_headers_and_body(harness: Harness) 
 async def test_authorization_stays_behind_and_host_is_the_clients_authority(
     harness: Harness,
 ) -> None:
-    stream = await harness.client.conn.open_stream(
+    await harness.get(
+        b"/p/whoami",
         [
-            (b":method", b"GET"),
-            (b":scheme", b"https"),
-            (b":authority", AUTHORITY.encode()),
-            (b":path", b"/p/whoami"),
-            (b"authorization", f"Bearer {TOKEN}".encode()),
             (b"proxy-authorization", b"Basic c2VjcmV0"),
             (b"x-forwarded-host", b"spoofed.example"),
             (b"x-custom", b"kept"),
         ],
-        end_stream=True,
     )
-    await stream.wait_headers()
-    await stream.read_all(1 << 20)
-    harness.client.conn.forget(stream)
     seen = harness.upstream.seen[-1]
     names = {k for k, _ in seen.headers}
     assert "authorization" not in names
@@ -390,20 +401,8 @@ async def test_a_request_http11_cannot_carry_is_refused_before_any_connection_op
 ) -> None:
     """HTTP/2 lets through a header name HTTP/1.1 forbids: the client hears which, and no
     stream to the task's port was opened for it."""
-    stream = await harness.client.conn.open_stream(
-        [
-            (b":method", b"GET"),
-            (b":scheme", b"https"),
-            (b":authority", AUTHORITY.encode()),
-            (b":path", b"/p/x"),
-            (b"authorization", f"Bearer {TOKEN}".encode()),
-            (b"bad{name", b"v"),
-        ],
-        end_stream=True,
-    )
-    headers = await stream.wait_headers()
-    error = json.loads(await stream.read_all(1 << 20))
-    harness.client.conn.forget(stream)
+    headers, body = await harness.get(b"/p/x", [(b"bad{name", b"v")])
+    error = json.loads(body)
     assert header_value(headers, b":status") == b"400"
     assert error["code"] == "INVALID_ARGUMENT"
     assert "cannot be sent as HTTP/1.1" in error["message"] and "bad{name" in error["message"]

@@ -58,8 +58,9 @@ async def test_controlplane_restart_mid_task_keeps_records_and_logs(
             # The worker comes back (re-registers, or reopens its tunnel) to the new process.
             assert await cluster.wait_workers(1) == [worker]
             async with cluster.client() as client:
-                running = await client.task(task.id)
-                assert running.state == "running"
+                # The stopped process may not have recorded the container as running yet (its
+                # first line came back first); the new one does, as it adopts the task.
+                running = await wait_state(client, task.id, "running")
                 assert running.worker == worker
                 assert len(running.card_ids) == 1
                 code = await client.exec_in_task(task.id, _exec("touch /go"), on_output=_ignore)

@@ -25,6 +25,7 @@ from sim.cluster import PoolSpec
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from sim.replicas import ReplicatedCluster, open_replicated_cluster
+from tests.test_e2e import wait_state
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten
@@ -109,7 +110,10 @@ async def test_a_task_outlives_the_replica_holding_its_worker(
                 # The worker comes back on one of the other two, through the Service.
                 await holder(cluster, worker, not_=owner)
                 async with cluster.client(replica=reacher) as client:
-                    assert (await client.task(task.id)).state == "running"
+                    # The killed holder may have died before it recorded the container as
+                    # running (its log reached the follower first); the new holder does, as
+                    # it adopts the worker's tasks.
+                    await wait_state(client, task.id, "running")
                     assert b"hello" in await http_get(client, task.id, 8080)
                     code = await client.exec_in_task(
                         task.id, ExecRequest(command=("touch", "/go")), on_output=_ignore

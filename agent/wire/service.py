@@ -299,6 +299,14 @@ def _http_date(second: int) -> bytes:
     return email.utils.formatdate(second, usegmt=True).encode()
 
 
+def request_log_level(status: int) -> int:
+    """A request answered with success is a debug line: on a busy endpoint or port forward
+    that is one per request, which would crowd the agent's recent log (`/v1/agent/logs`) and
+    cost the data path its CPU; the request metrics count them. An error, or a request that
+    ended without a status (cancelled), is an info line."""
+    return logging.DEBUG if 0 < status < 400 else logging.INFO
+
+
 def _error_headers(status: int) -> Headers:
     return [
         (b":status", str(status).encode()),
@@ -364,19 +372,22 @@ class Service:
             duration = time.monotonic() - started
             if self.observe is not None:
                 self.observe(method, routed[0], status, duration)
-            log.info(
-                "%s %s %s",
-                method,
-                path or headers.get(":authority", ""),
-                status,
-                extra={
-                    "api": self.name,
-                    "method": method,
-                    "path": path or headers.get(":authority", ""),
-                    "status": status,
-                    "duration_s": round(duration, 4),
-                },
-            )
+            level = request_log_level(status)
+            if log.isEnabledFor(level):
+                log.log(
+                    level,
+                    "%s %s %s",
+                    method,
+                    path or headers.get(":authority", ""),
+                    status,
+                    extra={
+                        "api": self.name,
+                        "method": method,
+                        "path": path or headers.get(":authority", ""),
+                        "status": status,
+                        "duration_s": round(duration, 4),
+                    },
+                )
 
     async def _send_error(self, stream: H2Stream, exc: ApiError) -> None:
         if stream._error is not None or stream._sent_end:

@@ -436,6 +436,29 @@ async def test_a_slow_reader_holds_one_window_and_does_not_stall_a_fast_one(
             assert await slow.read_all(len(body["/slow"])) == body["/slow"]
 
 
+async def test_reads_smaller_than_a_frame_return_each_byte_once_and_give_the_window_back(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Four times the connection window, in 16 KiB frames read 1,000 or 7,000 bytes at a time:
+    # a window given back short stalls the sender, a byte repeated or lost changes the digest.
+    body = payload(4 * SMALL.connection_window_bytes, 3)
+
+    async def send_body(stream: H2Stream) -> None:
+        await stream.send_headers(OK)
+        await stream.send_data(body, end_stream=True)
+
+    async with open_pair(send_body, settings=SMALL) as pair:
+        stream = await pair.client.open_stream(request("/bulk"), end_stream=True)
+        await stream.wait_headers()
+        received = bytearray()
+        with trio.fail_after(30):
+            while chunk := await stream.receive_some(1000 if len(received) % 2 else 7000):
+                assert len(chunk) <= 7000
+                received += chunk
+        assert hashlib.sha256(received).digest() == hashlib.sha256(body).digest()
+        assert pair.client.statistics().bytes_buffered == 0
+
+
 async def test_a_reset_stream_gives_its_connection_window_back(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

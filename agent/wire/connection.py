@@ -126,6 +126,9 @@ class H2Stream:
         self.headers: Headers | None = None
         self.trailers: Headers | None = None
         self._chunks: collections.deque[tuple[bytes, int]] = collections.deque()
+        self._taken = 0
+        """Bytes of the first chunk already returned: a reader asking for less than a chunk
+        gets slices of it; the rest is not copied again at each read."""
         self._buffered = 0
         self._eof = False
         self._error: BaseException | None = None
@@ -179,6 +182,10 @@ class H2Stream:
         """Drop unread body bytes, giving their window back to the peer."""
         # Acknowledged even after END_STREAM: the connection window counts them too.
         dropped = sum(flow for _, flow in self._chunks)
+        if self._taken:
+            data, flow = self._chunks[0]
+            dropped -= flow - len(data) + self._taken  # acknowledged as it was read
+            self._taken = 0
         self._chunks.clear()
         self._buffered = 0
         if dropped:
@@ -223,16 +230,18 @@ class H2Stream:
                     return b""
                 await self._readable.park()
                 parked = True
-            data, flow = self._chunks[0]
-            if max_bytes is not None and len(data) > max_bytes:
-                head, rest = data[:max_bytes], data[max_bytes:]
-                # Padding (flow - len(data)) is acknowledged with the first piece.
-                acked = flow - len(rest)
-                self._chunks[0] = (rest, len(rest))
-                data = head
+            chunk, flow = self._chunks[0]
+            taken = self._taken
+            # Padding (flow - len(chunk)) is acknowledged with the first piece.
+            padding = 0 if taken else flow - len(chunk)
+            if max_bytes is not None and len(chunk) - taken > max_bytes:
+                self._taken = taken + max_bytes
+                data = chunk[taken : self._taken]
             else:
                 self._chunks.popleft()
-                acked = flow
+                self._taken = 0
+                data = chunk[taken:] if taken else chunk
+            acked = len(data) + padding
             self._buffered -= len(data)
             self._conn._proto.acknowledge(self.stream_id, acked)
             if self._conn._proto.has_data_to_send():

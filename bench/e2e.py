@@ -56,6 +56,7 @@ from agent.api.models import ContainerSpec
 from agent.runtime.config import ContainerConfig
 from agent.runtime.manager import open_container_manager
 from agent.runtime.runc import remove_cgroup
+from agent.wire.allocator import tune_malloc
 from bench.anchors import open_ssh_local_forward, open_sshd, percentile
 from bench.containers import _bare_bundle
 from bench.report import ratios_of, render_sections, write_report
@@ -805,6 +806,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         load_generator_main()
         return
     plan = QUICK if args.quick else FULL
+    tune_malloc()  # as levers9-control does: the controlplane runs in this process
     _say(f"plan: {plan}")
     with tempfile.TemporaryDirectory(prefix="levers9-bench-e2e-", dir="/var/tmp") as tmp:
         try:

@@ -46,6 +46,7 @@ from typing import TypeVar
 import attrs
 import trio
 
+from agent.wire.allocator import tune_malloc
 from agent.wire.tls import make_self_signed
 from bench.anchors import (
     OpenStream,
@@ -645,6 +646,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     plan, repeats = _plan_from(args)
+    tune_malloc()  # as levers9-control does: the controlplane's side runs in this process
     with tempfile.TemporaryDirectory(prefix="levers9-bench-tunnel-") as workdir:
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)

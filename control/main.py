@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"levers9-control: {exc}", file=sys.stderr)
         return 2
+    from agent.wire.allocator import tune_malloc
     from agent.wire.errors import exception_leaves as _leaves
     from agent.wire.signals import run_until_signalled
 
+    tune_malloc()
     messages: list[str] = []
     try:
         trio.run(run_until_signalled, functools.partial(serve_and_reload, args.config, config))

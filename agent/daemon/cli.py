@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"levers9-agent: {exc}", file=sys.stderr)
         return 2
     from agent.daemon.run import run_agent
+    from agent.wire.allocator import tune_malloc
     from agent.wire.signals import run_until_signalled
 
+    tune_malloc()
     trio.run(run_until_signalled, functools.partial(run_agent, config))
     return 0
 

@@ -402,6 +402,54 @@ async def test_what_a_writer_hands_back_is_sent_though_the_connections_flush_had
 # -- flow control --
 
 
+class PartsRecorder(trio.abc.Stream):
+    """A transport that takes writes as pieces (as our TLS stream does), and keeps them."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.parts: list[object] = []
+
+    async def send_parts(self, parts: list[bytes]) -> None:
+        self.parts.extend(parts)
+        await self.inner.send_all(b"".join(parts))
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.parts.append(data)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_large_payload_reaches_a_transport_taking_pieces_uncopied() -> None:
+    body = payload(64 * 1024)
+    recorders: list[PartsRecorder] = []
+
+    def record(transport: trio.abc.Stream) -> trio.abc.Stream:
+        recorders.append(PartsRecorder(transport))
+        return recorders[-1]
+
+    async def echo(stream: H2Stream) -> None:
+        await stream.send_headers(OK)
+        await stream.send_data(await stream.read_all(MiB), end_stream=True)
+
+    async with open_pair(echo, wrap_client_transport=record) as pair:
+        # Once the server's SETTINGS are in (its PING answer follows them), frames may be as
+        # large as it allows; before, 16 KiB frames are cut from the payload.
+        await pair.client.ping()
+        stream = await pair.client.open_stream(request("/echo", b"POST"))
+        await stream.send_data(body, end_stream=True)
+        await stream.wait_headers()
+        assert await stream.read_all(MiB) == body
+    assert any(part is body for part in recorders[0].parts)
+
+
 async def test_a_slow_reader_holds_one_window_and_does_not_stall_a_fast_one(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

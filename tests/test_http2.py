@@ -658,6 +658,70 @@ def test_data_beyond_the_window_is_a_flow_control_error() -> None:
     assert goaway_in(wire.server.data_to_send()).error_code == ErrorCodes.FLOW_CONTROL_ERROR
 
 
+def open_request(wire: Wire) -> None:
+    wire.server.receive_data(
+        HeadersFrame(1, data=encoded_headers(REQUEST), flags=["END_HEADERS"]).serialize(), 0.0
+    )
+
+
+def received(events: list[h2.events.Event]) -> tuple[bytes, int, bool]:
+    """The body bytes, the flow-controlled length and whether the stream ended."""
+    data = [e for e in events if isinstance(e, h2.events.DataReceived)]
+    ended = any(isinstance(e, h2.events.StreamEnded) for e in events)
+    return b"".join(e.data or b"" for e in data), sum(e.flow_controlled_length for e in data), ended
+
+
+def test_data_pieces_read_from_a_reused_buffer_arrive_as_sent() -> None:
+    # A transport may hand over one buffer it then overwrites with the next read.
+    wire = connected()
+    open_request(wire)
+    body = payload(200_000, 7)
+    frame = DataFrame(1, data=body, flags=["END_STREAM"]).serialize()
+    buffer = bytearray(1000)
+    events: list[h2.events.Event] = []
+    for at in range(0, len(frame), 1000):
+        piece = frame[at : at + 1000]
+        buffer[: len(piece)] = piece
+        events += wire.server.receive_data(
+            buffer[: len(piece)] if len(piece) < 1000 else buffer, 0.0
+        )
+        buffer[:] = b"\xff" * 1000
+    assert received(events) == (body, len(body), True)
+
+
+@pytest.mark.parametrize("split", [1, 9, 10, 20_000])
+def test_padded_and_empty_data_frames_arrive_with_their_flow_control(split: int) -> None:
+    wire = connected()
+    open_request(wire)
+    frames = (
+        DataFrame(1, data=b"a" * 30_000, pad_length=40, flags=["PADDED"]).serialize()
+        + DataFrame(1, data=b"b" * 10).serialize()
+        + DataFrame(1, data=b"", flags=["END_STREAM"]).serialize()
+    )
+    events: list[h2.events.Event] = []
+    for at in range(0, len(frames), split):
+        events += wire.server.receive_data(frames[at : at + split], 0.0)
+    # Padding counts against the window: the pad length byte and the 40 pad bytes.
+    assert received(events) == (b"a" * 30_000 + b"b" * 10, 30_000 + 41 + 10, True)
+
+
+@pytest.mark.parametrize("where", ["stream 0", "inside a header block"])
+def test_data_on_stream_zero_or_inside_a_header_block_is_a_protocol_error(where: str) -> None:
+    wire = connected()
+    if where == "stream 0":
+        data = DataFrame(1, data=b"x" * 100).serialize()
+        data = data[:5] + b"\0\0\0\0" + data[9:]  # the stream id cleared
+    else:
+        data = (
+            HeadersFrame(1, data=encoded_headers(REQUEST)).serialize()  # no END_HEADERS
+            + DataFrame(1, data=b"x" * 100).serialize()
+        )
+    with pytest.raises(ProtocolViolation) as err:
+        wire.server.receive_data(data, now=0.0)
+    assert err.value.error_code == ErrorCodes.PROTOCOL_ERROR
+    assert goaway_in(wire.server.data_to_send()).error_code == ErrorCodes.PROTOCOL_ERROR
+
+
 # -- concurrent streams --
 
 

@@ -139,6 +139,12 @@ class _FrameHead:
     stream_id: int = 0
 
 
+_RAW, _DATA_START, _DATA_PIECE = 0, 1, 2
+"""What `_FrameScanner.routes` holds: bytes for h2 as they are; the header of a DATA frame
+(the frame head and its 9 bytes); a piece of that DATA frame's payload."""
+Route = tuple[Any, ...]
+
+
 class _FrameScanner:
     """Follows frame boundaries in the received bytes and reports each frame header.
 
@@ -148,22 +154,32 @@ class _FrameScanner:
     max_frame_bytes each), and answers every PING in a buffer before its caller can count
     them. Seeing the headers first lets each be refused when announced. A server's scanner
     also checks the client preface, so that anything else is refused as what it is.
+
+    It also routes the bytes (`routes`, for the last `feed`): an unpadded DATA frame's
+    payload pieces apart from everything else, which goes to h2 as it is. A frame header is
+    passed on only once whole, so a DATA frame's can still be kept from h2.
     """
 
     def __init__(self, *, server: bool) -> None:
         self._preface = 0 if server else len(PREFACE)  # preface bytes checked so far
         self._skip = 0  # payload bytes of the current frame still to pass over
+        self._pieces = _RAW  # how the current frame's payload is routed
         self._header = bytearray()
         self._padded: _FrameHead | None = None  # a padded DATA frame waiting for its pad byte
+        self.routes: list[Route] = []
 
     def feed(self, data: bytes | bytearray) -> list[_FrameHead]:
         """Every frame header completed by `data`; ValueError for a wrong client preface."""
         found: list[_FrameHead] = []
+        routes: list[Route] = []
+        self.routes = routes
         view = memoryview(data)
+        end = len(view)
         at = 0
-        while at < len(view):
+        raw = 0  # where the bytes for h2 not yet in `routes` begin
+        while at < end:
             if self._preface < len(PREFACE):
-                step = min(len(PREFACE) - self._preface, len(view) - at)
+                step = min(len(PREFACE) - self._preface, end - at)
                 if view[at : at + step] != PREFACE[self._preface : self._preface + step]:
                     raise ValueError("the client's first bytes are not the HTTP/2 preface")
                 self._preface += step
@@ -173,23 +189,43 @@ class _FrameScanner:
                 pad = view[at]
                 found.append(attrs.evolve(head, payload=max(head.length - 1 - pad, 0)))
             elif self._skip:
-                step = min(self._skip, len(view) - at)
+                step = min(self._skip, end - at)
                 self._skip -= step
+                if self._pieces == _DATA_PIECE:
+                    routes.append((_DATA_PIECE, view[at : at + step]))
+                    raw = at + step
                 at += step
             else:
-                step = min(9 - len(self._header), len(view) - at)
+                begun = at - len(self._header)  # before `at` when it began in an earlier chunk
+                step = min(9 - len(self._header), end - at)
                 self._header += view[at : at + step]
                 at += step
                 if len(self._header) == 9:
                     length = int.from_bytes(self._header[:3], "big")
                     stream_id = int.from_bytes(self._header[5:9], "big") & 0x7FFFFFFF
                     head = _FrameHead(length, self._header[3], self._header[4], length, stream_id)
-                    self._header.clear()
                     self._skip = length
-                    if head.type == _DATA and head.flags & _PADDED and length:
+                    padded = head.flags & _PADDED and length
+                    if head.type == _DATA and not padded:
+                        if raw < begun:
+                            routes.append((_RAW, view[raw:begun]))
+                        routes.append((_DATA_START, head, bytes(self._header)))
+                        raw = at
+                        self._pieces = _DATA_PIECE
+                    else:
+                        if begun < 0:  # its first bytes were held back from an earlier chunk
+                            routes.append((_RAW, bytes(self._header)))
+                            raw = at
+                        self._pieces = _RAW
+                    self._header.clear()
+                    if head.type == _DATA and padded:
                         self._padded = head
                     else:
                         found.append(head)
+        # A frame header not yet whole is held back (in `_header`) until it is.
+        held = min(len(self._header), end - raw)
+        if raw < end - held:
+            routes.append((_RAW, view[raw : end - held]))
         return found
 
 
@@ -430,6 +466,10 @@ class Http2Protocol:
             ),
         )
         self._frames = _FrameScanner(server=not client_side)
+        self._data_head: _FrameHead | None = None
+        self._data_pieces: list[bytes | memoryview] | None = None
+        """The payload so far of the DATA frame being received apart from h2 (`_route`)."""
+        self._data_left = 0
         self._header_block_bytes = 0
         # Encoded header blocks are no larger than the header lists they carry for any sane
         # encoder; twice the limit leaves room for padding and odd encoders.
@@ -496,10 +536,10 @@ class Http2Protocol:
         chunk that breaks one reaches h2, so no PING of a flood is answered past its limit."""
         if self.closed:
             return []
-        self._check_frame_headers(data, now)
-        self.h2.now = now
         try:
-            events = self.h2.receive_data(data)
+            self._check_frame_headers(data, now)
+            self.h2.now = now
+            events = self._route(self._frames.routes, isinstance(data, bytes))
         except h2.exceptions.ProtocolError as exc:
             code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
             if self.h2.state_machine.state is not ConnectionState.CLOSED:
@@ -507,7 +547,69 @@ class Http2Protocol:
                 self.go_away(code)
             self.closed = True
             raise ProtocolViolation(f"peer broke HTTP/2: {exc}", code) from None
+        finally:
+            # Views of `data` are not kept past this call: a caller may reuse its buffer.
+            self._frames.routes = []
         return self._refuse_excess_streams(events)
+
+    def _route(self, routes: list[Route], kept: bool) -> list[h2.events.Event]:
+        """Hand the scanned bytes to h2, except an unpadded DATA frame's payload: that is
+        collected here and the frame given to h2 whole, its payload copied once. Through h2's
+        buffer each payload byte was copied three times or more (into the buffer as it grew,
+        out as a frame, into the frame's data), the larger part of a receiver's CPU per MiB.
+        `kept`: the pieces are views of bytes that will not change, so they need no copy
+        before the join."""
+        events: list[h2.events.Event] = []
+        connection = self.h2
+        for route in routes:
+            kind = route[0]
+            if kind == _RAW:
+                events += connection.receive_data(route[1])
+            elif kind == _DATA_PIECE:
+                piece = route[1]
+                if self._data_pieces is None:
+                    events += connection.receive_data(piece)  # h2 takes this frame whole
+                    continue
+                self._data_pieces.append(piece if kept else bytes(piece))
+                self._data_left -= len(piece)
+                if not self._data_left:
+                    events += self._deliver_data()
+            else:
+                head: _FrameHead = route[1]
+                buffer = connection.incoming_buffer
+                if (
+                    head.stream_id
+                    and not buffer._headers_buffer
+                    and not buffer._data
+                    and not buffer._preamble_len
+                ):
+                    self._data_head = head
+                    self._data_pieces = []
+                    self._data_left = head.length
+                    if not head.length:
+                        events += self._deliver_data()
+                else:
+                    # Stream 0, or inside a header block: h2 says what is wrong with it.
+                    self._data_pieces = None
+                    events += connection.receive_data(route[2])
+        return events
+
+    def _deliver_data(self) -> list[h2.events.Event]:
+        head, pieces = self._data_head, self._data_pieces
+        assert head is not None and pieces is not None
+        self._data_pieces = None
+        frame = hyperframe.frame.DataFrame(head.stream_id)
+        frame.parse_flags(head.flags)
+        frame.data = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+        frame.body_len = head.length
+        try:
+            return self.h2._receive_frame(frame)
+        except h2.exceptions.ProtocolError as exc:
+            # What h2's receive_data does for a frame it refuses: a GOAWAY with the code.
+            self.h2._terminate_connection(
+                getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            )
+            raise
 
     def _violation(self, message: str, code: h2.errors.ErrorCodes) -> ProtocolViolation:
         self.go_away(code)

@@ -690,11 +690,14 @@ def test_data_pieces_read_from_a_reused_buffer_arrive_as_sent() -> None:
 
 
 @pytest.mark.parametrize("split", [1, 9, 10, 20_000])
-def test_padded_and_empty_data_frames_arrive_with_their_flow_control(split: int) -> None:
+def test_padded_large_small_and_empty_data_frames_arrive_with_their_flow_control(
+    split: int,
+) -> None:
     wire = connected()
     open_request(wire)
     frames = (
         DataFrame(1, data=b"a" * 30_000, pad_length=40, flags=["PADDED"]).serialize()
+        + DataFrame(1, data=b"c" * 20_000).serialize()
         + DataFrame(1, data=b"b" * 10).serialize()
         + DataFrame(1, data=b"", flags=["END_STREAM"]).serialize()
     )
@@ -702,19 +705,20 @@ def test_padded_and_empty_data_frames_arrive_with_their_flow_control(split: int)
     for at in range(0, len(frames), split):
         events += wire.server.receive_data(frames[at : at + split], 0.0)
     # Padding counts against the window: the pad length byte and the 40 pad bytes.
-    assert received(events) == (b"a" * 30_000 + b"b" * 10, 30_000 + 41 + 10, True)
+    body = b"a" * 30_000 + b"c" * 20_000 + b"b" * 10
+    assert received(events) == (body, 30_000 + 41 + 20_000 + 10, True)
 
 
 @pytest.mark.parametrize("where", ["stream 0", "inside a header block"])
 def test_data_on_stream_zero_or_inside_a_header_block_is_a_protocol_error(where: str) -> None:
     wire = connected()
     if where == "stream 0":
-        data = DataFrame(1, data=b"x" * 100).serialize()
+        data = DataFrame(1, data=b"x" * 20_000).serialize()
         data = data[:5] + b"\0\0\0\0" + data[9:]  # the stream id cleared
     else:
         data = (
             HeadersFrame(1, data=encoded_headers(REQUEST)).serialize()  # no END_HEADERS
-            + DataFrame(1, data=b"x" * 100).serialize()
+            + DataFrame(1, data=b"x" * 20_000).serialize()
         )
     with pytest.raises(ProtocolViolation) as err:
         wire.server.receive_data(data, now=0.0)

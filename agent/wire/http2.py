@@ -139,6 +139,9 @@ class _FrameHead:
     stream_id: int = 0
 
 
+ROUTED_DATA_BYTES = 16 * 1024
+"""DATA payloads from this size on are collected apart from h2 (`Http2Protocol._route`); a
+smaller one costs less to copy through h2 than to route around it."""
 _RAW, _DATA_START, _DATA_PIECE = 0, 1, 2
 """What `_FrameScanner.routes` holds: bytes for h2 as they are; the header of a DATA frame
 (the frame head and its 9 bytes); a piece of that DATA frame's payload."""
@@ -155,8 +158,9 @@ class _FrameScanner:
     them. Seeing the headers first lets each be refused when announced. A server's scanner
     also checks the client preface, so that anything else is refused as what it is.
 
-    It also routes the bytes (`routes`, for the last `feed`): an unpadded DATA frame's
-    payload pieces apart from everything else, which goes to h2 as it is. A frame header is
+    It also routes the bytes (`routes`, for the last `feed`): the payload pieces of an
+    unpadded DATA frame of `ROUTED_DATA_BYTES` or more apart from everything else, which
+    goes to h2 as it is. A frame header is
     passed on only once whole, so a DATA frame's can still be kept from h2.
     """
 
@@ -206,7 +210,7 @@ class _FrameScanner:
                     head = _FrameHead(length, self._header[3], self._header[4], length, stream_id)
                     self._skip = length
                     padded = head.flags & _PADDED and length
-                    if head.type == _DATA and not padded:
+                    if head.type == _DATA and not padded and length >= ROUTED_DATA_BYTES:
                         if raw < begun:
                             routes.append((_RAW, view[raw:begun]))
                         routes.append((_DATA_START, head, bytes(self._header)))
@@ -553,7 +557,7 @@ class Http2Protocol:
         return self._refuse_excess_streams(events)
 
     def _route(self, routes: list[Route], kept: bool) -> list[h2.events.Event]:
-        """Hand the scanned bytes to h2, except an unpadded DATA frame's payload: that is
+        """Hand the scanned bytes to h2, except a large unpadded DATA frame's payload: that is
         collected here and the frame given to h2 whole, its payload copied once. Through h2's
         buffer each payload byte was copied three times or more (into the buffer as it grew,
         out as a frame, into the frame's data), the larger part of a receiver's CPU per MiB.
@@ -586,8 +590,6 @@ class Http2Protocol:
                     self._data_head = head
                     self._data_pieces = []
                     self._data_left = head.length
-                    if not head.length:
-                        events += self._deliver_data()
                 else:
                     # Stream 0, or inside a header block: h2 says what is wrong with it.
                     self._data_pieces = None

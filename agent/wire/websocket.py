@@ -174,7 +174,7 @@ class FrameDecoder:
     def __init__(self, *, client_side: bool) -> None:
         # A server's frames are never masked, a client's always (RFC 6455 §5.1).
         self._expect_masked = not client_side
-        self._data = b""
+        self._data: bytes | bytearray = b""
         self._pos = 0
         # The data frame being handed out: payload bytes still to come, its key and how far in.
         self._remaining = 0
@@ -184,11 +184,13 @@ class FrameDecoder:
         self._in_message = False
 
     def receive_data(self, data: bytes | bytearray) -> None:
-        """Bytes read from the transport, in order."""
+        """Bytes read from the transport, in order. A buffer is kept as it is, not copied (a
+        trio stream's receive hands each caller a buffer of its own): the caller must not
+        change it afterwards."""
         if self._pos < len(self._data):
-            self._data = self._data[self._pos :] + data
+            self._data = bytes(self._data[self._pos :]) + data
         else:
-            self._data = bytes(data)
+            self._data = data
         self._pos = 0
 
     @property
@@ -213,7 +215,7 @@ class FrameDecoder:
         size = min(self._remaining, available)
         if max_bytes is not None:
             size = min(size, max_bytes)
-        piece: bytes | memoryview
+        piece: bytes | bytearray | memoryview
         if pos == 0 and size == len(data):
             piece = data
             self._data, self._pos = b"", 0
@@ -263,7 +265,7 @@ class FrameDecoder:
         if masked:
             if available < header + 4:
                 return None
-            key = data[pos + header : pos + header + 4]
+            key = bytes(data[pos + header : pos + header + 4])
             header += 4
         if opcode in _CONTROL_OPCODES:
             return self._control_frame(opcode, fin, length, key, header)
@@ -293,7 +295,7 @@ class FrameDecoder:
         start = self._pos + header
         if len(self._data) - start < length:
             return None
-        payload = self._data[start : start + length]
+        payload = bytes(self._data[start : start + length])
         self._pos = start + length
         if key:
             payload = apply_mask(payload, key)

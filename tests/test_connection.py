@@ -402,11 +402,11 @@ async def test_what_a_writer_hands_back_is_sent_though_the_connections_flush_had
 # -- flow control --
 
 
-class PartsRecorder(trio.abc.Stream):
-    """A transport that takes writes as pieces (as our TLS stream does), and keeps them."""
+class PartsRecorder(WrappedStream):
+    """Takes writes as pieces (as our TLS stream does), and keeps them."""
 
     def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.parts: list[object] = []
 
     async def send_parts(self, parts: list[bytes]) -> None:
@@ -416,15 +416,6 @@ class PartsRecorder(trio.abc.Stream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self.parts.append(data)
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def test_a_large_payload_reaches_a_transport_taking_pieces_uncopied() -> None:

@@ -401,11 +401,16 @@ async def _wait_reachable(
 
 def worker_opener(control: Controlplane, worker_id: str, sink_port: int) -> OpenStream:
     """An `OpenStream` that asks the registry for the worker's client, as every caller in the
-    controlplane does, and opens a CONNECT stream to the sink on the worker's side."""
+    controlplane does, and opens a CONNECT stream to the sink on the worker's side: as the
+    controlplane opens a forwarded connection's (`connect_tcp_early`: usable at once, as a
+    connection through ``ssh -R`` is), or with `first` riding on the CONNECT, as the endpoint
+    route sends a request's head."""
 
     async def open_stream(first: bytes = b"") -> trio.abc.Stream:
         client = await control.registry.client_for(worker_id)
-        return await client.connect_tcp("127.0.0.1", sink_port, first=first)
+        if first:
+            return await client.connect_tcp("127.0.0.1", sink_port, first=first)
+        return await client.connect_tcp_early("127.0.0.1", sink_port)
 
     return open_stream
 

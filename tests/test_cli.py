@@ -834,6 +834,45 @@ async def test_port_forwards_each_connection(fake: FakeControlplane, nursery: tr
     assert err.getvalue().decode() == f"forwarding 127.0.0.1:{local_port} -> t-1:{task_port}\n"
 
 
+async def test_port_carries_bytes_sent_at_once_and_says_why_a_connection_is_refused(
+    fake: FakeControlplane, nursery: trio.Nursery
+) -> None:
+    # The local client speaks first, before the controlplane has answered the CONNECT; a
+    # port nobody listens on closes the local connection with the controlplane's reason.
+    async def echo(stream: trio.SocketStream) -> None:
+        async with stream:
+            while data := await stream.receive_some():
+                await stream.send_all(b"echo:" + data)
+
+    open_port = (await nursery.start(functools.partial(trio.serve_tcp, host="127.0.0.1"), echo, 0))[
+        0
+    ].socket.getsockname()[1]
+    closed = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    closed_port = closed[0].socket.getsockname()[1]
+    await closed[0].aclose()
+    console, _, err = text_console()
+    async with open_control_client(fake.url, TOKEN, fake.ca) as client:
+        async with trio.open_nursery() as inner:
+            ((host, to_open),) = await inner.start(
+                forward_port, client, "t-1", open_port, "127.0.0.1", 0, console
+            )
+            ((_, to_closed),) = await inner.start(
+                forward_port, client, "t-1", closed_port, "127.0.0.1", 0, console
+            )
+            with trio.fail_after(10):
+                async with await trio.open_tcp_stream(host, to_open) as stream:
+                    await stream.send_all(b"at once")
+                    assert await stream.receive_some() == b"echo:at once"
+                async with await trio.open_tcp_stream(host, to_closed) as stream:
+                    await stream.send_all(b"to nobody")
+                    assert await stream.receive_some() == b""
+            inner.cancel_scope.cancel()
+    said = err.getvalue().decode()
+    assert f"levers9: cannot forward a connection to t-1:{closed_port}: " in said
+    assert f"cannot reach 127.0.0.1:{closed_port} on the worker" in said
+    assert "Connection refused" in said
+
+
 async def test_port_of_an_ended_task_is_refused(
     fake: FakeControlplane, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -209,7 +209,7 @@ class _OneRunningTask:
         asked = self.asked
 
         class Worker:
-            async def connect_tcp(self, host: str, port: int) -> trio.abc.HalfCloseableStream:
+            async def connect_tcp_early(self, host: str, port: int) -> trio.abc.HalfCloseableStream:
                 asked.append((host, port))
                 return trio.testing.memory_stream_pair()[0]
 

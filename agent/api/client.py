@@ -34,6 +34,7 @@ from agent.api.models import (
 )
 from agent.wire.client import (
     ApiClient,
+    OpeningStream,
     Response,
     WorkerUnavailable,
     error_from_body,
@@ -75,8 +76,12 @@ class WorkerClient(ApiClient):
     async def connect_tcp(self, host: str, port: int, *, first: bytes = b"") -> H2ByteStream:
         """A byte stream to `host:port` on the worker's side (endpoint and box-port traffic);
         `first` goes with the CONNECT (`ApiClient.connect`)."""
-        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        return await self.connect(authority, first=first)
+        return await self.connect(_authority(host, port), first=first)
+
+    async def connect_tcp_early(self, host: str, port: int) -> OpeningStream:
+        """`connect_tcp`, usable before the worker has connected (`ApiClient.connect_early`):
+        a forwarded connection's first bytes need not wait for that round trip."""
+        return await self.connect_early(_authority(host, port))
 
     # -- objects (the worker's node-local store, agent.store.objects) --
 
@@ -270,3 +275,7 @@ def open_worker_client(
         settings=settings,
         keepalive=keepalive,
     )
+
+
+def _authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

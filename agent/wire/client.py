@@ -91,6 +91,39 @@ def error_from_body(status: int, body: bytes) -> ApiError:
         return ApiError(ErrorCode.from_status(status), f"HTTP {status}: {body[:200]!r}")
 
 
+class OpeningStream(H2ByteStream):
+    """A CONNECT stream before its answer (`ApiClient.connect_early`): sends go out at once,
+    receives wait for the answer, and a refusal breaks the stream."""
+
+    def __init__(self, stream: H2Stream, client: ApiClient) -> None:
+        super().__init__(stream)
+        self._client = client
+        self._answered = False
+        self._refusal: ApiError | None = None
+        self._answer_lock = trio.Lock()
+
+    async def wait_open(self) -> None:
+        """Return once the server has connected; raise its refusal (an `ApiError`) if it did
+        not. Bytes already sent on a refused stream were discarded by the server."""
+        async with self._answer_lock:
+            if not self._answered:
+                try:
+                    await self._client._tunnel_answer(self.stream)
+                except ApiError as exc:
+                    self._refusal = exc
+                self._answered = True
+        if self._refusal is not None:
+            raise self._refusal
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if not self._answered:
+            try:
+                await self.wait_open()
+            except ApiError as exc:
+                raise trio.BrokenResourceError(f"the CONNECT was refused: {exc}") from exc
+        return await super().receive_some(max_bytes)
+
+
 class ApiClient:
     """JSON and streaming calls to one HTTP/2 API (a worker's, or the controlplane's)."""
 
@@ -195,12 +228,26 @@ class ApiClient:
         to send at once, in the same write as the request (an HTTP request's head), instead
         of a round trip later; the server passes them on only once it has connected, and a
         refusal discards them, so a refused CONNECT may be tried again with the same."""
-        headers: Headers = [
+        return await self._open_tunnel(self._connect_headers(authority), first)
+
+    async def connect_early(self, authority: str) -> OpeningStream:
+        """A plain CONNECT to `authority` that is usable before the server answers: bytes sent
+        on it go out at once (the server passes them on once it has connected, or discards
+        them with its refusal), and what comes back is read once the answer is in. Saves a
+        round trip for every client that speaks first. `OpeningStream.wait_open` gives the
+        answer, the server's refusal raised as its own error."""
+        try:
+            stream = await self.conn.open_stream(self._connect_headers(authority))
+        except StreamError as exc:
+            raise self._unavailable(exc) from None
+        return OpeningStream(stream, self)
+
+    def _connect_headers(self, authority: str) -> Headers:
+        return [
             (b":method", b"CONNECT"),
             (b":authority", authority.encode()),
             *self._credentials(),
         ]
-        return await self._open_tunnel(headers, first)
 
     async def open_websocket(self, path: str) -> H2WebSocket:
         """A WebSocket to a route over RFC 8441 extended CONNECT (exec uses it)."""
@@ -222,6 +269,14 @@ class ApiClient:
             stream = await self.conn.open_stream(headers, flush=not first)
             if first:
                 await stream.send_data(first)
+        except StreamError as exc:
+            raise self._unavailable(exc) from None
+        await self._tunnel_answer(stream)
+        return H2ByteStream(stream)
+
+    async def _tunnel_answer(self, stream: H2Stream) -> None:
+        """Wait for a CONNECT's answer; anything but 200 is raised as the server's error."""
+        try:
             response_headers = await stream.wait_headers()
         except StreamError as exc:
             raise self._unavailable(exc) from None
@@ -233,7 +288,6 @@ class ApiClient:
                 body = b""
             self.conn.forget(stream)
             raise error_from_body(status, body)
-        return H2ByteStream(stream)
 
     async def ndjson(self, path: str, cls: type[T]) -> AsyncGenerator[T, None]:
         """A streamed GET of newline-delimited JSON, one `cls` per line as it arrives."""

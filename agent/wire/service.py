@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from agent.wire.client import OpeningStream
 from agent.wire.connection import BodyTooLarge, H2ByteStream, H2Stream, Headers, StreamError
 from agent.wire.errors import ApiError, ErrorCode, dumps, loads
 from agent.wire.h2websocket import H2WebSocket
@@ -526,6 +527,12 @@ class Service:
         if self.dial is not None:
             remote = await self.dial(host, port, principal)
             async with remote:
+                if isinstance(remote, OpeningStream):
+                    # Not yet answered: the client's bytes go on at once, and the answer
+                    # (or the refusal, as this CONNECT's error) once the far end gives it.
+                    answer = functools.partial(_answer_when_open, stream, remote)
+                    await splice(H2ByteStream(stream), remote, opening=answer)
+                    return 200
                 await stream.send_headers([(b":status", b"200")])
                 await splice(H2ByteStream(stream), remote)
             return 200
@@ -548,6 +555,11 @@ class Service:
         return 200
 
 
+async def _answer_when_open(stream: H2Stream, remote: OpeningStream) -> None:
+    await remote.wait_open()
+    await stream.send_headers([(b":status", b"200")])
+
+
 async def open_tcp(host: str, port: int) -> trio.SocketStream:
     """A TCP connection to `host:port`. An address (what a container's name resolves to) is
     connected to directly: `trio.open_tcp_stream`'s name lookup and happy-eyeballs race, a
@@ -566,8 +578,18 @@ async def open_tcp(host: str, port: int) -> trio.SocketStream:
     return trio.SocketStream(sock)
 
 
-async def splice(a: trio.abc.HalfCloseableStream, b: trio.abc.HalfCloseableStream) -> None:
-    """Copy both ways until both sides have ended; EOF is passed on as a half-close."""
+async def splice(
+    a: trio.abc.HalfCloseableStream,
+    b: trio.abc.HalfCloseableStream,
+    *,
+    opening: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Copy both ways until both sides have ended; EOF is passed on as a half-close.
+
+    `opening`: b is still being opened (a CONNECT not yet answered). a's bytes flow to b at
+    once while it is awaited; b's flow to a once it has returned. What it raises ends the
+    splice and is raised here, before anything of b's reached a."""
+    opened = opening is None
 
     async def pump(src: trio.abc.HalfCloseableStream, dst: trio.abc.HalfCloseableStream) -> None:
         try:
@@ -575,11 +597,27 @@ async def splice(a: trio.abc.HalfCloseableStream, b: trio.abc.HalfCloseableStrea
                 await dst.send_all(data)
             await dst.send_eof()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            nursery.cancel_scope.cancel()
+            # Before the answer a broken b is the refusal arriving: `opening` says why.
+            if opened:
+                nursery.cancel_scope.cancel()
 
+    failure: BaseException | None = None
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump, b, a)
-        await pump(a, b)  # in this task: one task fewer to start per connection
+        if opening is None:
+            nursery.start_soon(pump, b, a)
+            await pump(a, b)  # in this task: one task fewer to start per connection
+        else:
+            nursery.start_soon(pump, a, b)
+            try:
+                await opening()
+            except Exception as exc:
+                failure = exc
+                nursery.cancel_scope.cancel()
+            else:
+                opened = True
+                await pump(b, a)
+    if failure is not None:
+        raise failure
 
 
 __all__ = [

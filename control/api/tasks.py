@@ -358,7 +358,9 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
             raise ApiError(ErrorCode.PERMISSION_DENIED, refused, field=":authority")
         worker = _running(record, "a port")
         try:
-            return await dispatcher.on_worker(worker, lambda c: c.connect_tcp(record.id, port))
+            return await dispatcher.on_worker(
+                worker, lambda c: c.connect_tcp_early(record.id, port)
+            )
         except WorkerLost as exc:
             raise ApiError(ErrorCode.UNAVAILABLE, str(exc)) from None
 

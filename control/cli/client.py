@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import trio
 
 from agent.api.models import ExecRequest, ExecResize, LogLine, WorkerInfo
-from agent.wire.client import ApiClient, WorkerUnavailable, open_api_client
+from agent.wire.client import ApiClient, OpeningStream, WorkerUnavailable, open_api_client
 from agent.wire.connection import H2ByteStream, KeepaliveConfig, StreamRefused
 from agent.wire.tls import TLSStream, verifying_client_context
 from control.models import (
@@ -129,6 +129,11 @@ class ControlClient(ApiClient):
     async def connect_port(self, task_id: str, port: int) -> H2ByteStream:
         """A byte stream to `port` of the task's container (a CONNECT to `<task id>:<port>`)."""
         return await self.connect(f"{task_id}:{port}")
+
+    async def connect_port_early(self, task_id: str, port: int) -> OpeningStream:
+        """`connect_port`, usable before the controlplane answers (`ApiClient.connect_early`):
+        its `wait_open` raises a refusal as the controlplane's error."""
+        return await self.connect_early(f"{task_id}:{port}")
 
     # -- workers and machines ----------------------------------------------------------------
 

@@ -46,14 +46,15 @@ async def forward_port(
     ]
 
     async def carry(local: trio.SocketStream) -> None:
+        # The local client's bytes go on while the controlplane and the worker connect, so a
+        # client that speaks first waits one round trip to the container, not two.
         async with local:
             try:
-                remote = await client.connect_port(task_id, port)
+                remote = await client.connect_port_early(task_id, port)
+                async with remote:
+                    await splice(local, remote, opening=remote.wait_open)
             except ApiError as exc:
                 console.status(f"levers9: cannot forward a connection to {task_id}:{port}: {exc}\n")
-                return
-            async with remote:
-                await splice(local, remote)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, carry, listeners)

@@ -221,6 +221,16 @@ async def test_a_relayed_early_connect_carries_both_ways_and_relays_a_refusal(
                 assert await stream.receive_some() == b""
                 await stream.aclose()
 
+                # Bytes and the end of them, both sent before any answer.
+                ended = await client.connect_early(f"t-1:{port}")
+                await ended.send_all(b"two")
+                await ended.send_eof()
+                echoed = b""
+                while data := await ended.receive_some():
+                    echoed += data
+                assert echoed == b"echo:two"
+                await ended.aclose()
+
                 refused = await client.connect_early(f"t-1:{closed_port}")
                 await refused.send_all(b"discarded")
                 with pytest.raises(ApiError) as err:

@@ -1,18 +1,133 @@
-"""A container's log as the shim writes it (CRI lines), read from the start and followed."""
+"""A container's log as the shim writes it (CRI lines), read from the start and followed.
+
+A follower learns that the log grew from inotify (`LogWatch`: one instance for the worker, a
+watch on each followed container's directory while someone follows it), so a line reaches it
+as soon as it is written and an idle follower costs nothing; where inotify cannot be had it
+reads the file every `LOG_POLL_S` instead.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import attrs
+import trio
 
 from agent.api.models import (
     LogLine,
 )
+from agent.host.inotify import (
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_IGNORED,
+    IN_MODIFY,
+    IN_MOVED_TO,
+    Inotify,
+)
+
+log = logging.getLogger("levers9.containers")
 
 LOG_POLL_S = 0.025
-"""How often a followed log is read for new lines: the delay a first line may wait (a read is
-one small syscall in a worker thread)."""
+"""How often a followed log is read for new lines without inotify: the delay a line may wait
+(a read is one small syscall in a worker thread)."""
+WATCHED_POLL_S = 2.0
+"""How often a followed log is read anyway with inotify: a safety net (a lost event), not how
+lines arrive."""
+_LOG_CHANGES = IN_MODIFY | IN_CLOSE_WRITE | IN_CREATE | IN_MOVED_TO
+"""Appends, the shim closing the file, and a rotation (log renamed to log.1, a new log)."""
+
+
+@attrs.define
+class Watched:
+    """A followed directory: `changed` is set when its log changes (take it before reading,
+    so a change during the read is not missed), then replaced by a fresh event."""
+
+    wd: int
+    poll_s: float
+    users: int = 0
+    changed: trio.Event = attrs.field(factory=trio.Event)
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class LogWatch:
+    """Wakes the followers of a container's log when it changes. `run` (in the manager's
+    nursery) reads the events; `watching` is held by each follower."""
+
+    def __init__(self) -> None:
+        self._watched: dict[int, Watched] = {}
+        self._inotify: Inotify | None = None
+        try:
+            self._inotify = Inotify()
+        except OSError as exc:
+            log.warning(
+                "inotify is not available (%s): followed logs are read every %g s",
+                exc.strerror or exc,
+                LOG_POLL_S,
+            )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        inotify = self._inotify
+        if inotify is None:
+            return
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(inotify.fileno())
+                for change in inotify.read():
+                    if change.overflowed:
+                        for each in self._watched.values():
+                            each.wake()
+                        continue
+                    found = self._watched.get(change.wd)
+                    if found is None:
+                        continue
+                    if change.mask & IN_IGNORED:
+                        # The directory went (the container was deleted): the followers read
+                        # once more and find the container finished.
+                        del self._watched[change.wd]
+                    if change.name.startswith("log") or change.mask & IN_IGNORED:
+                        found.wake()
+        finally:
+            self._inotify = None
+            for watched in self._watched.values():
+                watched.wake()
+            self._watched.clear()
+            inotify.close()
+
+    @contextlib.contextmanager
+    def watching(self, directory: Path) -> Iterator[Watched]:
+        """Watch `directory`'s log while the block runs; a watch that cannot be added (no
+        inotify, or the node's watches all used) is read every `LOG_POLL_S` instead."""
+        inotify = self._inotify
+        try:
+            wd = inotify.add(directory, _LOG_CHANGES) if inotify is not None else -1
+        except OSError as exc:
+            log.warning(
+                "cannot watch %s (%s): its log is read every %g s", directory, exc, LOG_POLL_S
+            )
+            wd = -1
+        if wd < 0:
+            yield Watched(wd=-1, poll_s=LOG_POLL_S)
+            return
+        watched = self._watched.setdefault(wd, Watched(wd=wd, poll_s=WATCHED_POLL_S))
+        watched.users += 1
+        try:
+            yield watched
+        finally:
+            watched.users -= 1
+            if watched.users == 0 and self._watched.get(wd) is watched:
+                del self._watched[wd]
+                if self._inotify is not None:
+                    with contextlib.suppress(OSError):
+                        self._inotify.remove(wd)
 
 
 def parse_cri_line(line: str) -> LogLine | None:

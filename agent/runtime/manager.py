@@ -78,7 +78,7 @@ from agent.runtime.exec import ExecSession
 from agent.runtime.images.auth import RegistryCredentials
 from agent.runtime.images.puller import ImagePuller
 from agent.runtime.layers import LayerCache
-from agent.runtime.logreader import LOG_POLL_S, LogReader, parse_cri_line, read_lines
+from agent.runtime.logreader import LogReader, LogWatch, parse_cri_line, read_lines
 from agent.runtime.network import NETNS_DIR, Networking, hosts_file, resolv_conf
 from agent.runtime.ocispec import (
     Bind,
@@ -192,6 +192,8 @@ class ContainerManager:
         self._shutdown_deadline = math.inf
         """Set when the shutdown starts: no cleanup runs past it."""
         self._cleanups: set[trio.CancelScope] = set()
+        self.log_watch = LogWatch()
+        nursery.start_soon(self.log_watch.run)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -837,19 +839,21 @@ class ContainerManager:
                     yield parsed
         reader = LogReader(path)
         try:
-            while True:
-                finished = container.finished.is_set()
-                lines = await trio.to_thread.run_sync(reader.read)
-                for line in lines:
-                    parsed = parse_cri_line(line)
-                    if parsed:
-                        yield parsed
-                if lines:
-                    continue
-                if not follow or finished:
-                    return
-                with trio.move_on_after(LOG_POLL_S):
-                    await container.finished.wait()
+            with self.log_watch.watching(container.directory) as watched:
+                while True:
+                    finished = container.finished.is_set()
+                    changed = watched.changed  # before the read: a write during it wakes us
+                    lines = await trio.to_thread.run_sync(reader.read)
+                    for line in lines:
+                        parsed = parse_cri_line(line)
+                        if parsed:
+                            yield parsed
+                    if lines:
+                        continue
+                    if not follow or finished:
+                        return
+                    with trio.move_on_after(watched.poll_s):
+                        await _first_of(changed, container.finished)
         finally:
             reader.close()
 
@@ -1315,3 +1319,18 @@ async def _open_manager(
                 extra={"duration_s": round(trio.current_time() - started_at, 3)},
             )
         store.close()
+
+
+async def _first_of(*events: trio.Event) -> None:
+    """Until any of `events` is set."""
+    if any(event.is_set() for event in events):
+        await trio.lowlevel.checkpoint()
+        return
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        for event in events:
+            nursery.start_soon(wait, event)

@@ -289,7 +289,10 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
                         # Not created yet, or already deleted once the task ended.
                         if not follow and record.state is TaskState.STARTING:
                             return
-                        await trio.sleep(NOT_STARTED_RETRY_S)
+                        # Asked again once the task moves (it is recorded running as soon
+                        # as its container runs), and at least this often.
+                        with trio.move_on_after(NOT_STARTED_RETRY_S):
+                            await dispatcher.wait_changed()
                         continue
                     if exc.code is not ErrorCode.UNAVAILABLE:
                         raise

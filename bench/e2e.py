@@ -19,6 +19,10 @@ picks its worker: 0 cards lands on the direct-mode worker, 2 cards can only go t
   that keeps them (`keepalive.c`, as an inference server does; each client keeps one
   connection, and the route keeps its upstream ones). Optionally the closing load through the
   same route to a task on the direct-mode worker.
+- Followed log: a task quiet for a while, then writing a line every 50 ms, followed by several
+  clients at once through the API (`levers9 task logs -f`): the worker's CPU while they wait on
+  the quiet task, and how long each line took from the shim's timestamp (taken as it read the
+  line from the container) to a follower. No anchor: these are what a follower pays.
 - Token stream: a server-sent event stream (a CGI script of the same httpd writing one event
   every 2 ms, as a model streams tokens) through the endpoint route and straight to the
   container; the figure is the p99 of the gaps between events as the client receives them.
@@ -34,6 +38,7 @@ Needs root, runc and docker-registry (`make deps`).
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import itertools
 import json
@@ -79,12 +84,19 @@ class Plan:
     """How long each endpoint load runs (after an untimed warm-up)."""
     sse_events: int
     """Events of the token stream (one every 2 ms)."""
+    log_lines: int = 20
+    """Lines of the followed log (one every `LOG_EVERY_S`)."""
+    log_followers: int = 20
+    """Clients following that log at once."""
     direct_mode: bool = True
     """Also the endpoint route to a task on the direct-mode worker."""
 
 
 QUICK = Plan(first_logs=3, concurrency=16, duration_s=1.0, sse_events=300)
-FULL = Plan(first_logs=10, concurrency=16, duration_s=5.0, sse_events=1000)
+FULL = Plan(first_logs=10, concurrency=16, duration_s=5.0, sse_events=1000, log_lines=100)
+LOG_EVERY_S = 0.05
+LOG_QUIET_S = 2.0
+"""How long the followed task is quiet first; the worker's CPU is measured over half of it."""
 
 FIRST_LOG_TARGET_S = 0.25
 """From `levers9 run` to its first log line, with a warm worker and a cached image."""
@@ -324,6 +336,62 @@ async def measure_first_logs(
         await trio.run_process(_cli("--version"), cwd=REPO, env=env, capture_stdout=True)
         samples["startup"].append(time.perf_counter() - began)
     return samples
+
+
+# --- a followed log --------------------------------------------------------------------------
+
+
+def _shim_time(stamp: str) -> float:
+    """A CRI log line's time (RFC 3339, nanoseconds, UTC) as a Unix time."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    seconds = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.UTC).timestamp()
+    return seconds + (float(f"0.{fraction}") if fraction else 0.0)
+
+
+async def measure_followed_log(
+    cluster: Cluster, image: str, lines: int, followers: int
+) -> dict[str, float]:
+    """`followers` clients follow one task's log through the API: the task says it is ready,
+    is quiet for `LOG_QUIET_S`, then writes `lines` lines `LOG_EVERY_S` apart. The worker's
+    CPU over the quiet part, and each line's delay from the shim's timestamp to a follower.
+    The task has no cards, so it runs on the direct-mode worker."""
+    every_us = int(LOG_EVERY_S * 1e6)
+    script = (
+        f"echo ready; sleep {LOG_QUIET_S:g}; i=0; "
+        f"while [ $i -lt {lines} ]; do echo line; i=$((i+1)); usleep {every_us}; done"
+    )
+    agents = [psutil.Process(a.pid) for a in cluster.kubelet.agents() if a.node == "node-direct"]
+    delays: list[float] = []
+    ready = [trio.Event() for _ in range(followers)]
+    async with cluster.client() as client:
+        task = await client.create_task(TaskRequest(image=image, command=("sh", "-c", script)))
+
+        async def follow(ready: trio.Event) -> None:
+            async for line in client.task_logs(task.id, follow=True):
+                if line.text == "ready":
+                    ready.set()
+                elif line.text == "line":
+                    delays.append(time.time() - _shim_time(line.time))
+
+        async with trio.open_nursery() as nursery:
+            for each in ready:
+                nursery.start_soon(follow, each)
+            for each in ready:
+                await each.wait()
+            before, began = _cpu_s(agents), time.perf_counter()
+            await trio.sleep(LOG_QUIET_S / 2)
+            idle_cpu = (_cpu_s(agents) - before) / (time.perf_counter() - began)
+        done = await client.wait_task(task.id)
+    if done.state != "succeeded" or len(delays) != lines * followers:
+        raise BenchError(
+            f"the followed task ended {done.state} and {len(delays)} of "
+            f"{lines * followers} lines reached its followers"
+        )
+    return {
+        "log_delay_p50_ms": statistics.median(delays) * 1e3,
+        "log_delay_p90_ms": percentile(delays, 90) * 1e3,
+        "log_follow_idle_cpu_pct": idle_cpu * 100,
+    }
 
 
 # --- endpoint load --------------------------------------------------------------------------
@@ -746,6 +814,11 @@ async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]
                 first = await measure_first_logs(
                     cluster, image, bundle, workdir / "runc", plan.first_logs
                 )
+            _say(f"followed log: {plan.log_lines} lines to {plan.log_followers} followers")
+            with trio.fail_after(TASK_DEADLINE_S + LOG_QUIET_S + plan.log_lines * LOG_EVERY_S):
+                followed = await measure_followed_log(
+                    cluster, image, plan.log_lines, plan.log_followers
+                )
             measured = await measure_endpoints(cluster, server, plan, workdir)
             loads = measured.loads
             _say("stopping the cluster")
@@ -755,6 +828,7 @@ async def run_benchmark(workdir: Path, plan: Plan) -> dict[str, dict[str, float]
         "first_log_api_s": statistics.median(first["api"]),
         "first_log_api_p90_s": percentile(first["api"], 90),
         "cli_startup_s": statistics.median(first["startup"]),
+        **followed,
         **stream_figures(measured.streams["tunnel"], "tunnel"),
     }
     anchors = {

@@ -36,6 +36,9 @@ FIGURES = (
     "endpoint_rps_tunnel_keepalive",
     "endpoint_p99_ms_tunnel_keepalive",
     "sse_gap_p99_ms_tunnel",
+    "log_delay_p50_ms",
+    "log_delay_p90_ms",
+    "log_follow_idle_cpu_pct",
 )
 ANCHORS = (
     "runc_first_log_s",

@@ -1,8 +1,8 @@
 """A container's log as the shim writes it (CRI lines), read from the start and followed.
 
-A follower learns that the log grew from inotify (`LogWatch`: one instance for the worker, a
-watch on each followed container's directory while someone follows it), so a line reaches it
-as soon as it is written and an idle follower costs nothing; where inotify cannot be had it
+A follower learns that the log grew from inotify (`LogWatch`: one instance for the worker while
+anyone follows a log, a watch on each followed container's directory), so a line reaches it as
+soon as it is written and a waiting follower costs nothing; where inotify cannot be had it
 reads the file every `LOG_POLL_S` instead.
 """
 
@@ -58,28 +58,59 @@ class Watched:
 
 
 class LogWatch:
-    """Wakes the followers of a container's log when it changes. `run` (in the manager's
-    nursery) reads the events; `watching` is held by each follower."""
+    """Wakes the followers of a container's log when it changes. Each follower holds
+    `watching`; while anyone does, one inotify instance is open and a task in `nursery` reads
+    its events. Both end with the last follower, so an idle worker holds neither."""
 
-    def __init__(self) -> None:
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
         self._watched: dict[int, Watched] = {}
         self._inotify: Inotify | None = None
-        try:
-            self._inotify = Inotify()
-        except OSError as exc:
-            log.warning(
-                "inotify is not available (%s): followed logs are read every %g s",
-                exc.strerror or exc,
-                LOG_POLL_S,
-            )
+        self._warned = False
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        inotify = self._inotify
-        if inotify is None:
+    @contextlib.contextmanager
+    def watching(self, directory: Path) -> Iterator[Watched]:
+        """Watch `directory`'s log while the block runs; one that cannot be watched (no
+        inotify, or the node's watches all used) is read every `LOG_POLL_S` instead."""
+        wd = self._add(directory)
+        if wd < 0:
+            yield Watched(wd=-1, poll_s=LOG_POLL_S)
             return
+        watched = self._watched.setdefault(wd, Watched(wd=wd, poll_s=WATCHED_POLL_S))
+        watched.users += 1
         try:
-            while True:
+            yield watched
+        finally:
+            watched.users -= 1
+            if watched.users == 0 and self._watched.get(wd) is watched:
+                del self._watched[wd]
+                if self._inotify is not None:
+                    # Its IN_IGNORED wakes the reader, which ends once nothing is watched.
+                    with contextlib.suppress(OSError):
+                        self._inotify.remove(wd)
+
+    def _add(self, directory: Path) -> int:
+        if self._inotify is None:
+            try:
+                self._inotify = Inotify()
+            except OSError as exc:
+                self._warn(f"inotify is not available ({exc.strerror or exc})")
+                return -1
+            self._nursery.start_soon(self._read, self._inotify)
+        try:
+            return self._inotify.add(directory, _LOG_CHANGES)
+        except OSError as exc:
+            self._warn(f"cannot watch {directory} ({exc.strerror or exc})")
+            return -1
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("%s: followed logs are read every %g s", why, LOG_POLL_S)
+
+    async def _read(self, inotify: Inotify) -> None:
+        try:
+            while self._watched:
                 await trio.lowlevel.wait_readable(inotify.fileno())
                 for change in inotify.read():
                     if change.overflowed:
@@ -96,38 +127,12 @@ class LogWatch:
                     if change.name.startswith("log") or change.mask & IN_IGNORED:
                         found.wake()
         finally:
-            self._inotify = None
-            for watched in self._watched.values():
-                watched.wake()
+            if self._inotify is inotify:
+                self._inotify = None
+            for each in self._watched.values():
+                each.wake()  # their watch went with the instance: they read every poll_s
             self._watched.clear()
             inotify.close()
-
-    @contextlib.contextmanager
-    def watching(self, directory: Path) -> Iterator[Watched]:
-        """Watch `directory`'s log while the block runs; a watch that cannot be added (no
-        inotify, or the node's watches all used) is read every `LOG_POLL_S` instead."""
-        inotify = self._inotify
-        try:
-            wd = inotify.add(directory, _LOG_CHANGES) if inotify is not None else -1
-        except OSError as exc:
-            log.warning(
-                "cannot watch %s (%s): its log is read every %g s", directory, exc, LOG_POLL_S
-            )
-            wd = -1
-        if wd < 0:
-            yield Watched(wd=-1, poll_s=LOG_POLL_S)
-            return
-        watched = self._watched.setdefault(wd, Watched(wd=wd, poll_s=WATCHED_POLL_S))
-        watched.users += 1
-        try:
-            yield watched
-        finally:
-            watched.users -= 1
-            if watched.users == 0 and self._watched.get(wd) is watched:
-                del self._watched[wd]
-                if self._inotify is not None:
-                    with contextlib.suppress(OSError):
-                        self._inotify.remove(wd)
 
 
 def parse_cri_line(line: str) -> LogLine | None:

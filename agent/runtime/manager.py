@@ -192,8 +192,7 @@ class ContainerManager:
         self._shutdown_deadline = math.inf
         """Set when the shutdown starts: no cleanup runs past it."""
         self._cleanups: set[trio.CancelScope] = set()
-        self.log_watch = LogWatch()
-        nursery.start_soon(self.log_watch.run)
+        self.log_watch = LogWatch(nursery)
 
     # -- queries ---------------------------------------------------------------------------------
 

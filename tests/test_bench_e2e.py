@@ -59,6 +59,7 @@ RATIOS = (
     "endpoint_rps_tunnel_vs_ssh_keepalive",
     "sse_p99_gap_tunnel_vs_direct",
 )
+MAY_BE_ZERO = {"log_follow_idle_cpu_pct"}
 RUN_DEADLINE_S = 300
 STOP_GRACE_S = 60
 
@@ -90,5 +91,7 @@ def test_quick_run_writes_every_figure_anchor_and_ratio(tmp_path: Path) -> None:
         for name in names:
             value = report[section].get(name)
             assert isinstance(value, int | float), f"{section}.{name} missing: {report[section]}"
-            assert math.isfinite(value) and value > 0, f"{section}.{name} is {value}"
+            # An idle worker's CPU may well round to nothing; everything else was measured.
+            floor_ok = value >= 0 if name in MAY_BE_ZERO else value > 0
+            assert math.isfinite(value) and floor_ok, f"{section}.{name} is {value}"
     assert report["machine"]["cpu_count"] > 0

@@ -24,6 +24,7 @@ from agent.wire.client import ApiClient, open_api_client
 from agent.wire.connection import Http2Connection
 from agent.wire.errors import ApiError, ErrorCode
 from agent.wire.service import Router, Service, bearer_auth, splice
+from tests.streams import exchange
 
 TOKEN = "early-s3cr3t-token"
 
@@ -223,13 +224,7 @@ async def test_a_relayed_early_connect_carries_both_ways_and_relays_a_refusal(
 
                 # Bytes and the end of them, both sent before any answer.
                 ended = await client.connect_early(f"t-1:{port}")
-                await ended.send_all(b"two")
-                await ended.send_eof()
-                echoed = b""
-                while data := await ended.receive_some():
-                    echoed += data
-                assert echoed == b"echo:two"
-                await ended.aclose()
+                assert await exchange(ended, b"two") == b"echo:two"
 
                 refused = await client.connect_early(f"t-1:{closed_port}")
                 await refused.send_all(b"discarded")

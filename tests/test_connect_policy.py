@@ -31,6 +31,7 @@ from control.kube.planner import PoolSettings, job_manifest, job_name, token_sec
 from control.models import TaskState
 from control.tasks.dispatch import Dispatcher
 from control.tasks.store import TaskRecord, TaskSpec
+from tests.streams import exchange
 
 TOKEN = "worker-s3cr3t-token"
 
@@ -70,14 +71,7 @@ async def node_port(nursery: trio.Nursery) -> int:
 
 
 async def _echoes(worker: WorkerClient, host: str, port: int) -> bytes:
-    stream = await worker.connect_tcp(host, port)
-    await stream.send_all(b"ping " + host.encode())
-    await stream.send_eof()
-    echoed = b""
-    while data := await stream.receive_some():
-        echoed += data
-    await stream.aclose()
-    return echoed
+    return await exchange(await worker.connect_tcp(host, port), b"ping " + host.encode())
 
 
 # -- the worker: its loopback only behind the setting ----------------------------------------------

@@ -23,6 +23,7 @@ from sim.configs import read_line
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from sim.s3 import S3Server
+from tests.streams import exchange
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten
@@ -332,13 +333,7 @@ async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
                 local_port = int(line.split()[1].rsplit(":", 1)[1])
                 for _ in range(2):  # two connections over the one forwarder
                     stream = await trio.open_tcp_stream("127.0.0.1", local_port)
-                    await stream.send_all(b"through port\n")
-                    await stream.send_eof()
-                    got = b""
-                    while data := await stream.receive_some():
-                        got += data
-                    assert got == b"through port\n"
-                    await stream.aclose()
+                    assert await exchange(stream, b"through port\n") == b"through port\n"
             finally:
                 forward.terminate()
                 await forward.wait()

@@ -18,7 +18,10 @@ applies them (an object that stops matching arrives as DELETED), `timeoutSeconds
 events with `allowWatchBookmarks`, and an ERROR event with a 410 Expired Status for a version
 older than the bounded history it keeps (`sendInitialEvents` is ignored). Tests count lists
 (`list_count`) and open watches (`watch_count`, `wait_watches`), cut every stream
-(`drop_watches`) and compact the history (`expire_history`).
+(`drop_watches`), compact the history (`expire_history`), and make every watch, open or new,
+misbehave as under load (`set_watch_faults(WatchFaults(...))`): lag behind the store by
+`lag_s` (lists and GETs do not), end at once with no event as a proxy ending long requests
+does, or stall, sending nothing until the fault is cleared.
 
 ServiceAccounts are modelled as far as `levers9 cluster join` needs them: the token controller
 fills a `kubernetes.io/service-account-token` Secret with a token, the CA and the namespace; a
@@ -35,8 +38,11 @@ Design choices:
 - Stored objects are never mutated: every change stores a new dict together with its JSON bytes,
   so a list of 100,000 pods is one `b",".join` and handlers serialise nothing under the lock.
 - Tests arrange state through the Python API (`add_node`, `add_pod`, `set_pod_phase`, ...) rather
-  than through status subresources; faults (429, 500, delays) and a "kubelet" callback run when a
-  Job is created are armed the same way.
+  than through status subresources; request faults and a "kubelet" callback run when a Job is
+  created are armed the same way: `inject_fault` answers the next `count` matching requests
+  (or every one until `clear_faults`, with `count=None`), matched by path, verb and object name
+  prefix, with a 429 and Retry-After, a 500, a delay, or any Status a test names (a 422 Invalid,
+  a 403 exceeded quota).
 - Only what the controlplane needs is modelled: no admission, no scheduler, no RBAC escalation
   checks or bootstrap roles, and the garbage collector and the token controller run
   synchronously inside the request that triggers them.

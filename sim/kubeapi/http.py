@@ -4,7 +4,9 @@ session.
 
 A watch is one chunked response of JSON lines on the connection's own thread (the server is a
 `ThreadingHTTPServer`), which sleeps on the store's condition between changes: an open watch
-costs one idle thread and holds up no other request.
+costs one idle thread and holds up no other request. The store's faults are applied here too:
+an armed request fault answers before the request reaches the store, and the watch faults
+decide what each stream is sent (the store's `_next_events`) and when it ends.
 """
 
 from __future__ import annotations
@@ -170,7 +172,6 @@ class _OpenWatch:
     """A registered watch with its parameters, before its response starts."""
 
     watcher: Watcher
-    first: list[Event]
     timeout_s: int | None
     bookmarks: bool
     as_table: bool
@@ -247,23 +248,12 @@ class _Handler(BaseHTTPRequestHandler):
                     route.name if route else "",
                     route.sub if route else "",
                 )
-            fault = kube._take_fault(verb, path)
-            if fault is not None and fault.kind == "429":
-                raise KubeError(
-                    429,
-                    "TooManyRequests",
-                    "Too many requests, please try again later.",
-                    {"retryAfterSeconds": fault.retry_after_s},
-                    {"Retry-After": str(fault.retry_after_s)},
-                )
-            if fault is not None and fault.kind == "500":
-                raise KubeError(
-                    500,
-                    "InternalError",
-                    "Internal error occurred: injected fault",
-                    {"causes": [{"message": "injected fault"}]},
-                )
+            name = _object_name(route, verb, body)
+            fault = kube._take_fault(verb, path, name)
             if fault is not None:
+                error = fault.error(route.res if route else None, name)
+                if error is not None:
+                    raise error
                 time.sleep(fault.delay_s)
             if route is None and method == "POST" and path == ACCESS_REVIEW:
                 review = kube._access_review(user, denied, body)
@@ -301,12 +291,13 @@ class _Handler(BaseHTTPRequestHandler):
         timeout_s = _timeout_seconds(query.get("timeoutSeconds", ""))
         bookmarks = _flag(query, "allowWatchBookmarks")
         as_table = "as=Table" in (self.headers.get("Accept") or "")
-        watcher, first = kube._open_watch(route.res, route.namespace, query, self.connection)
-        return _OpenWatch(watcher, first, timeout_s, bookmarks, as_table)
+        watcher = kube._open_watch(route.res, route.namespace, query, self.connection)
+        return _OpenWatch(watcher, timeout_s, bookmarks, as_table)
 
     def _watch(self, kube: KubeStandin, opened: _OpenWatch) -> None:
         """Streams a watch until `timeoutSeconds`, an expired history (an ERROR event), the
-        client leaving or `drop_watches` (then without the final chunk)."""
+        watch fault `end_at_once`, the client leaving or `drop_watches` (then without the final
+        chunk)."""
         try:
             self.send_response(200, "OK")
             self.send_header("Content-Type", "application/json")
@@ -348,14 +339,14 @@ class _Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         deadline = started + timeout_s if timeout_s else math.inf
         next_bookmark = started + kube.bookmark_interval_s if bookmarks else math.inf
-        if opened.first:
-            self._chunk(lines(opened.first))
         while True:
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline or kube.watch_faults.end_at_once:
                 return True
             if now >= next_bookmark:
-                self._chunk(bookmark_line(res, watcher.cursor))
+                rv = kube._bookmark_rv(watcher)
+                if rv is not None:
+                    self._chunk(bookmark_line(res, rv))
                 next_bookmark = now + kube.bookmark_interval_s
             try:
                 events = kube._next_events(watcher, min(deadline, next_bookmark, now + _LIVENESS_S))
@@ -444,6 +435,19 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self.end_headers()
         self.wfile.write(payload)
+
+
+def _object_name(route: Route | None, verb: str, body: bytes) -> str:
+    """The name of the object a request addresses: the one in its path or, for a create, the
+    body's `metadata.name` ("" when it names none, or its body is not an object)."""
+    if route is None or route.name or verb != "create":
+        return route.name if route else ""
+    try:
+        meta = json_body(body).get("metadata")
+    except KubeError:
+        return ""
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else ""
 
 
 def _verb(method: str, route: Route | None, query: Mapping[str, str]) -> str:

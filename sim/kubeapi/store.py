@@ -1,6 +1,13 @@
 """`KubeStandin`: the stand-in's objects (plain dicts, never mutated: each change stores a new
 dict with its JSON bytes), resourceVersions and the history of changes watches are served from,
 paging, owner-reference cascading, the token controller, and the faults and hooks tests arm.
+
+Faults come in two kinds, as they do in front of a real apiserver. Request faults (`Fault`,
+armed with `inject_fault`) answer matching requests instead of the server: 429, 500, a delay,
+or any Status a test names (a 422 Invalid, a 403 exceeded quota) for objects whose name starts
+with a prefix. Watch faults (`WatchFaults`, set with `set_watch_faults`) change what open
+streams are sent: a lag behind the store, streams ended at once, streams that stall. Both are
+state under the store's lock, read by each request's own thread; nothing runs on a timer.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +72,20 @@ from sim.kubeapi.watch import (
     History,
     Selection,
     Watcher,
+    WatchFaults,
     delete_change,
     put_change,
 )
+
+__all__ = [
+    "Fault",
+    "JobHook",
+    "KubeStandin",
+    "RequestRecord",
+    "WatchFaults",
+    "synthetic_cluster",
+    "synthetic_workers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +107,58 @@ class RequestRecord:
 
 @attrs.define
 class Fault:
-    """Answers the next `remaining` matching requests with `kind` (429, 500 or delay)."""
+    """Answers the next `remaining` matching requests (every one while `remaining` is None)
+    with `kind`: 429, 500, delay, or status (the Status `status`, `reason`, `message`)."""
 
     kind: str
-    remaining: int
+    remaining: int | None
     path_prefix: str | None = None
     verb: str | None = None
+    name_prefix: str | None = None
     retry_after_s: int = 1
     delay_s: float = 0.0
+    status: int = 0
+    reason: str = ""
+    message: str = ""
 
-    def matches(self, verb: str, path: str) -> bool:
+    def matches(self, verb: str, path: str, name: str) -> bool:
+        """Whether it answers a request of `verb` on `path` (no query) addressing the object
+        `name` ("" when the request names none)."""
         if self.verb is not None and self.verb != verb:
             return False
+        if self.name_prefix is not None and not (name and name.startswith(self.name_prefix)):
+            return False
         return self.path_prefix is None or path.startswith(self.path_prefix)
+
+    def error(self, res: Resource | None, name: str) -> KubeError | None:
+        """What the server answers instead, for a request addressing `name` of `res`; None for
+        a delay, after which it answers normally."""
+        if self.kind == "429":
+            return KubeError(
+                429,
+                "TooManyRequests",
+                "Too many requests, please try again later.",
+                {"retryAfterSeconds": self.retry_after_s},
+                {"Retry-After": str(self.retry_after_s)},
+            )
+        if self.kind == "500":
+            return KubeError(
+                500,
+                "InternalError",
+                "Internal error occurred: injected fault",
+                {"causes": [{"message": "injected fault"}]},
+            )
+        if self.kind != "status":
+            return None
+        details: dict[str, str] = {}
+        if res is not None and name:
+            # The apiserver's validation names the kind ("Job"); its other answers (quota,
+            # conflicts, not found) name the resource ("jobs").
+            kind = res.kind if self.reason == "Invalid" else res.plural
+            details = {"name": name, "group": res.group, "kind": kind}
+            if not res.group:
+                del details["group"]
+        return KubeError(self.status, self.reason, self.message, details)
 
 
 @attrs.frozen
@@ -123,6 +181,12 @@ class KubeStandin:
     Watches are served from the last `history_limit` changes (of all resources together); a
     watch with `allowWatchBookmarks` gets a BOOKMARK every `bookmark_interval_s` (a real
     apiserver: about a minute; tests set it small).
+
+    Tests make it misbehave as a loaded apiserver does: `inject_fault` arms request faults
+    (429 with Retry-After, 500, a delay, or a chosen Status such as 422 Invalid or a 403
+    exceeded quota, per path, verb and object name; `clear_faults` removes them),
+    `set_watch_faults` makes watches lag, end at once or stall, `drop_watches` cuts every
+    stream and `expire_history` compacts the history (410 Expired).
     """
 
     def __init__(
@@ -153,6 +217,7 @@ class KubeStandin:
         self._pods_by_node: dict[str, dict[Key, None]] = {}
         self._key_cache: dict[str, tuple[int, list[Key]]] = {}
         self._faults: list[Fault] = []
+        self._watch_faults = WatchFaults()
         self._job_hooks: list[JobHook] = []
         self.hook_errors: list[BaseException] = []
         self.requests: list[RequestRecord] = []
@@ -209,22 +274,57 @@ class KubeStandin:
     def inject_fault(
         self,
         kind: str,
-        count: int = 1,
+        count: int | None = 1,
         *,
         path_prefix: str | None = None,
         verb: str | None = None,
+        name_prefix: str | None = None,
         retry_after_s: int = 1,
         delay_s: float = 0.0,
+        status: int | None = None,
+        reason: str = "",
+        message: str = "",
     ) -> Fault:
-        """Arms a fault: `kind` is "429" (TooManyRequests with Retry-After), "500" or "delay"
-        (then answers normally after `delay_s`). `verb` is a Kubernetes verb (list, get, create,
-        update, patch, delete)."""
-        if kind not in ("429", "500", "delay"):
-            raise ValueError(f"fault kind must be 429, 500 or delay, not {kind!r}")
-        fault = Fault(kind, count, path_prefix, verb, retry_after_s, delay_s)
+        """Arms a fault for the next `count` matching requests (every one until `clear_faults`
+        when None): `kind` is "429" (TooManyRequests with Retry-After), "500", "delay" (then
+        answers normally after `delay_s`) or "status" (a Status with code `status`, `reason`
+        and `message`, e.g. 422 "Invalid" or 403 "Forbidden", its details naming the object).
+        A request matches when it starts with `path_prefix`, has `verb` (a Kubernetes verb:
+        list, watch, get, create, update, patch, delete) and addresses an object whose name
+        starts with `name_prefix` (the name in its path, or a create's `metadata.name`). The
+        first armed fault that matches answers. Faults are checked after authentication."""
+        if kind not in ("429", "500", "delay", "status"):
+            raise ValueError(f"fault kind must be 429, 500, delay or status, not {kind!r}")
+        if kind == "status":
+            if status not in {s.value for s in HTTPStatus if s >= 400}:
+                raise ValueError(
+                    f"a status fault needs status=, an HTTP error code (400-599), not {status!r}"
+                )
+            if not reason:
+                raise ValueError('a status fault needs reason=, e.g. "Invalid" or "Forbidden"')
+        elif status is not None or reason or message:
+            raise ValueError(f'status=, reason= and message= are for kind="status", not {kind!r}')
+        fault = Fault(
+            kind,
+            count,
+            path_prefix=path_prefix,
+            verb=verb,
+            name_prefix=name_prefix,
+            retry_after_s=retry_after_s,
+            delay_s=delay_s,
+            status=status or 0,
+            reason=reason,
+            message=message,
+        )
         with self._lock:
             self._faults.append(fault)
         return fault
+
+    def clear_faults(self) -> None:
+        """Removes every armed request fault, spent or not (watch faults are set apart:
+        `set_watch_faults(WatchFaults())` clears those)."""
+        with self._lock:
+            self._faults.clear()
 
     def on_job_created(self, hook: JobHook) -> None:
         """Calls `hook(server, job)` on the request's thread after each Job create has been
@@ -269,6 +369,19 @@ class KubeStandin:
         as an event rather than in its list."""
         with self._changed:
             return self._changed.wait_for(lambda: len(self._watchers) == count, timeout_s)
+
+    @property
+    def watch_faults(self) -> WatchFaults:
+        """The watch faults in force (`WatchFaults()` when none)."""
+        with self._lock:
+            return self._watch_faults
+
+    def set_watch_faults(self, faults: WatchFaults) -> None:
+        """Makes every watch, open or new, misbehave as `faults` says from now on; pass
+        `WatchFaults()` to stop. Open watches wake up to apply them at once."""
+        with self._changed:
+            self._watch_faults = faults
+            self._changed.notify_all()
 
     def drop_watches(self) -> int:
         """Ends every open watch stream abruptly, as a load balancer or a restarting apiserver
@@ -796,11 +909,12 @@ class KubeStandin:
             "status": status,
         }
 
-    def _take_fault(self, verb: str, path: str) -> Fault | None:
+    def _take_fault(self, verb: str, path: str, name: str) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.remaining > 0 and fault.matches(verb, path):
-                    fault.remaining -= 1
+                if fault.remaining != 0 and fault.matches(verb, path, name):
+                    if fault.remaining is not None:
+                        fault.remaining -= 1
                     return fault
         return None
 
@@ -861,10 +975,10 @@ class KubeStandin:
 
     def _open_watch(
         self, res: Resource, ns: str, query: Mapping[str, str], sock: socket.socket | None
-    ) -> tuple[Watcher, list[Event]]:
-        """Registers a watch; returns it with its first events: a synthetic ADDED for every
-        matching object when `resourceVersion` is absent or "0" (as a real apiserver does;
-        `sendInitialEvents` is ignored), else none: the history supplies those after it."""
+    ) -> Watcher:
+        """Registers a watch. Its first events are a synthetic ADDED for every matching object
+        when `resourceVersion` is absent or "0" (as a real apiserver does; `sendInitialEvents`
+        is ignored), else none: the history supplies those after it."""
         selection = Selection(
             res,
             ns,
@@ -883,25 +997,44 @@ class KubeStandin:
                 cursor = self._rv
             else:
                 cursor = _resource_version(rv_text)
-            watcher = Watcher(selection, cursor, sock)
+            watcher = Watcher(selection, cursor, sock, first=first)
+            if rv_text in ("", "0"):
+                # The snapshot shows every change kept so far: a lagging watch sends it once
+                # the newest of them may be sent.
+                watcher.first_at = self._history.newest_at
             self._watchers.add(watcher)
             self._changed.notify_all()
-        return watcher, first
+        return watcher
 
     def _next_events(self, watcher: Watcher, until: float) -> list[Event] | None:
-        """The watcher's events after its cursor, waiting for some until `until` (a
-        `time.monotonic()` instant; then []); None once `drop_watches` ended it. Raises
-        `Expired` when the changes after its cursor are no longer kept."""
+        """The watcher's events after its cursor that the watch faults let through, waiting
+        for some until `until` (a `time.monotonic()` instant; then []); [] at once while
+        `end_at_once` is set; None once `drop_watches` ended it. Raises `Expired` when the
+        changes after its cursor are no longer kept."""
         with self._changed:
             while not watcher.dropped:
-                changes = self._history.since(watcher.cursor)
-                watcher.cursor = self._rv
-                events = [e for c in changes if (e := watcher.selection.event_of(c)) is not None]
-                remaining = until - time.monotonic()
-                if events or remaining <= 0:
+                faults = self._watch_faults
+                if faults.end_at_once:
+                    return []
+                now = time.monotonic()
+                events: list[Event] = []
+                wake = until
+                if not faults.stall:
+                    events, held_at = watcher.take(self._history, self._rv, now - faults.lag_s)
+                    # Woken by a change or a new fault, or when the oldest held back is due.
+                    wake = min(until, held_at + faults.lag_s)
+                if events or now >= until:
                     return events
-                self._changed.wait(remaining)
+                self._changed.wait(wake - now)
             return None
+
+    def _bookmark_rv(self, watcher: Watcher) -> int | None:
+        """What a BOOKMARK to `watcher` names now: everything it was sent; None while watches
+        stall or before its first events are sent."""
+        with self._lock:
+            if self._watch_faults.stall or watcher.first_at is not None:
+                return None
+            return watcher.cursor
 
     def _close_watch(self, watcher: Watcher) -> None:
         with self._changed:

@@ -10,13 +10,21 @@ a slow client holds up only its own thread, and a watcher that falls out of the 
 same 410 a real one would. What a watcher is sent of a change is the cacher's rule: an object
 that starts matching its selectors arrives as ADDED, one that stops matching as DELETED (its
 previous state at the change's resourceVersion).
+
+Watch faults (`WatchFaults`) are applied where a watcher takes its events, not by a task of
+their own: every change records when it was stored, so a lagging watcher simply takes only the
+changes old enough and sleeps until the next one is; its cursor stays at what it was sent, so a
+lag costs no memory beyond the window either.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
+import math
 import socket
+import time
 from collections import deque
 
 import attrs
@@ -50,6 +58,26 @@ class Event:
 
 
 @attrs.frozen
+class WatchFaults:
+    """How the stand-in's watches misbehave, as a loaded apiserver's or a proxy's do; set with
+    `KubeStandin.set_watch_faults`, which applies them to open watches as well as new ones.
+    The default misbehaves in no way."""
+
+    lag_s: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    """Every watch event reaches watchers no sooner than lag_s after its change was stored (in
+    order; a real apiserver's watch cache lags etcd under load). Bookmarks never name a
+    resourceVersion past what that watcher was sent. Lists (and GETs) are NOT lagged: they read
+    the current state, as a consistent read from etcd does."""
+    end_at_once: bool = False
+    """Every watch request is answered 200 (chunked, headers as now) and ended at once with no
+    event at all, as a proxy or load balancer that ends every long request does. Also applies
+    to open watches: they end (cleanly, with the final chunk) at their next wake-up."""
+    stall: bool = False
+    """Watches send nothing at all (no event, no bookmark) while set, but stay open, as a proxy
+    buffering a stream does; when cleared, they go on (what was held back is sent, in order)."""
+
+
+@attrs.frozen
 class Change:
     """One stored change at `rv`: `obj` is the object after it (None once deleted), `prev` the
     object before it (None when created); `sent` and `raw` are what an unfiltered watcher gets."""
@@ -61,6 +89,8 @@ class Change:
     prev: Obj | None
     sent: Obj
     raw: bytes
+    at: float = attrs.field(factory=time.monotonic)
+    """When it was stored (`time.monotonic()`): a lagging watch sends it `lag_s` later."""
 
     @property
     def type(self) -> str:
@@ -106,6 +136,11 @@ class History:
         self._changes.append(change)
         while len(self._changes) > self.limit:
             self.compacted_rv = self._changes.popleft().rv
+
+    @property
+    def newest_at(self) -> float:
+        """When the newest change kept was stored (-inf when none is kept)."""
+        return self._changes[-1].at if self._changes else -math.inf
 
     def since(self, rv: int) -> list[Change]:
         """The changes after `rv`, oldest first; `Expired` when some of them are gone."""
@@ -156,12 +191,38 @@ class Selection:
 
 @attrs.define(eq=False)
 class Watcher:
-    """One open watch: its selection, its cursor, and the connection `drop_watches` cuts."""
+    """One open watch: its selection, its cursor (it has been sent everything up to that
+    resourceVersion), the connection `drop_watches` cuts, and its `first` events (a snapshot
+    of what matched when it opened) until they are sent; the state they show was stored by
+    `first_at`, None once they are sent."""
 
     selection: Selection
     cursor: int
     sock: socket.socket | None
     dropped: bool = False
+    first: list[Event] = attrs.field(factory=list)
+    first_at: float | None = None
+
+    def take(self, history: History, rv: int, stored_by: float) -> tuple[list[Event], float]:
+        """What this watcher is sent now of the changes after its cursor that were stored by
+        `stored_by` (a `time.monotonic()` instant; its first events ahead of them), with when
+        the oldest change held back was stored (inf when none is). Advances the cursor past
+        what it takes, or to `rv` (the store's version) when it holds nothing back. Raises
+        `Expired` when the changes after its cursor are no longer kept."""
+        events: list[Event] = []
+        if self.first_at is not None:
+            if self.first_at > stored_by:
+                return events, self.first_at
+            events, self.first, self.first_at = self.first, [], None
+        changes = history.since(self.cursor)
+        ready = bisect.bisect_right(changes, stored_by, key=lambda c: c.at)
+        events += [e for c in changes[:ready] if (e := self.selection.event_of(c)) is not None]
+        if ready == len(changes):
+            self.cursor = rv
+            return events, math.inf
+        if ready:
+            self.cursor = changes[ready - 1].rv
+        return events, changes[ready].at
 
 
 def bookmark_line(res: Resource, rv: int) -> bytes:

@@ -5,14 +5,17 @@ so two controlplanes in one test process do not mix):
 
 - events counted as they happen: API requests by route pattern (never by path), method and
   status with their latency; each placement's delay from create to placed; each reconcile
-  pass's duration and failure per pool; each keepalive round trip to a worker per mode;
+  pass's duration and failure per pool; each list a pool cache made again, by why, and each
+  time a cache became unusable (its watches do not stream), per resource; each keepalive round
+  trip to a worker per mode;
 - states read when Prometheus scrapes: tasks by workspace and state (one GROUP BY on the
   records), machines and cards per pool from each pool's last pass, workers by mode, tunnels
   open on this replica, bytes carried to and from workers per mode.
 
 Reading the records is async, and prometheus-client collects synchronously, so a scrape first
 reads the states and `refresh`es a `Scrape` with them, then renders. Labels are bounded: route
-patterns, pools, workspaces, modes and states; never a task or worker id.
+patterns, pools, workspaces, modes, states and the four cached resources (nodes, pods, jobs,
+secrets); never a task or worker id, nor a cluster's or cache's own id.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from prometheus_client.registry import Collector
 from agent import __version__
 from agent.api.models import WorkerSummary
 from agent.wire.connection import Http2Connection
+from control.kube.informer import RELIST_REASONS, UNUSABLE
 from control.models import MachineList, TaskState
 from control.tasks.store import TaskRecord
 
 MODES = ("direct", "tunnel")
+CACHES = ("nodes", "pods", "jobs", "secrets")
+"""The resources a pool caches (`control.kube.caches`): the `cache` label's values."""
 CARD_USES = ("total", "ours", "others", "free")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PLACEMENT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
@@ -214,6 +220,25 @@ class ControlMetrics:
             ["pool"],
             registry=self.registry,
         )
+        self.cache_relists = Counter(
+            "levers9_cache_relists",
+            "Full lists a pool cache made again, by reason: expired (410 Gone), silent (its "
+            "watch heard no event or bookmark for two bookmark periods), empty_watches (its "
+            "watches ended at once with nothing in them).",
+            ["cache", "reason"],
+            registry=self.registry,
+        )
+        self.cache_unusable = Counter(
+            "levers9_cache_unusable",
+            "Times a pool cache became unusable: listed again twice as its watches did not "
+            "stream; the pools reading it write nothing until a watch streams again.",
+            ["cache"],
+            registry=self.registry,
+        )
+        for cache in CACHES:  # every series exists (at 0) before the first count
+            self.cache_unusable.labels(cache)
+            for reason in RELIST_REASONS:
+                self.cache_relists.labels(cache, reason)
         self.rtt_seconds = Histogram(
             "levers9_worker_rtt_seconds",
             "Keepalive PING round trips to workers, by mode.",
@@ -242,6 +267,14 @@ class ControlMetrics:
             self.pass_errors.labels(pool).inc()
         else:
             self.pass_errors.labels(pool)  # the series exists (at 0) before the first failure
+
+    def cache_event(self, cache: str, what: str) -> None:
+        """`Clusters(on_cache_event=)`: a cache (its resource plural) listed again (`what`: a
+        reason) or became unusable."""
+        if what == UNUSABLE:
+            self.cache_unusable.labels(cache).inc()
+        else:
+            self.cache_relists.labels(cache, what).inc()
 
     def connection(self, conn: Http2Connection, mode: str) -> None:
         """`WorkerRegistry.on_connection`: count its bytes and round trips."""

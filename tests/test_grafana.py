@@ -23,6 +23,8 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "levers9_task_placement_seconds": ("histogram", frozenset()),
     "levers9_reconcile_pass_seconds": ("histogram", frozenset({"pool"})),
     "levers9_reconcile_errors_total": ("counter", frozenset({"pool"})),
+    "levers9_cache_relists_total": ("counter", frozenset({"cache", "reason"})),
+    "levers9_cache_unusable_total": ("counter", frozenset({"cache"})),
     "levers9_pool_machines": ("gauge", frozenset({"pool"})),
     "levers9_pool_cards": ("gauge", frozenset({"pool", "use"})),
     "levers9_workers": ("gauge", frozenset({"mode", "connected"})),

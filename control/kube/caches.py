@@ -42,7 +42,7 @@ from control.kube.adapter import (
     open_kube_client,
     secret_value,
 )
-from control.kube.informer import RETRY, Change, Informer
+from control.kube.informer import BOOKMARK_PERIOD_S, RETRY, CacheEvent, Change, Informer
 from control.kube.planner import (
     MANAGED_BY_LABEL,
     MANAGER,
@@ -97,11 +97,23 @@ class _Running:
 
 
 class ClusterCaches:
-    """The informers of one cluster, run in `nursery`, reading through `api`."""
+    """The informers of one cluster, run in `nursery`, reading through `api`. Each expects a
+    BOOKMARK about every `bookmark_period_s` and tells `on_cache_event` when it lists again or
+    becomes unusable (`control.kube.informer`)."""
 
-    def __init__(self, api: KubeClient, nursery: trio.Nursery, *, label: str) -> None:
+    def __init__(
+        self,
+        api: KubeClient,
+        nursery: trio.Nursery,
+        *,
+        label: str,
+        bookmark_period_s: float = BOOKMARK_PERIOD_S,
+        on_cache_event: CacheEvent | None = None,
+    ) -> None:
         self.api = api
         self.label = label
+        self.bookmark_period_s = bookmark_period_s
+        self.on_cache_event = on_cache_event
         self._nursery = nursery
         self._running: dict[tuple[str, str], _Running] = {}
         self._node_refs: Counter[str] = Counter()
@@ -143,6 +155,8 @@ class ClusterCaches:
             Collection("nodes", label_selector=node_selector),
             lambda obj: node_facts(obj, keep_labels),
             label=self.label,
+            bookmark_period_s=self.bookmark_period_s,
+            on_event=self.on_cache_event,
         )
         if ("nodes", node_selector) not in self._running:
             nodes.subscribe(self._nodes_changed)
@@ -157,6 +171,8 @@ class ClusterCaches:
             Collection("jobs", namespace, label_selector=OUR_OBJECTS),
             job_facts,
             label=self.label,
+            bookmark_period_s=self.bookmark_period_s,
+            on_event=self.on_cache_event,
         )
         jobs = (await self._start(("jobs", namespace), jobs)).informer
         secrets: Informer[str] = Informer(
@@ -164,6 +180,8 @@ class ClusterCaches:
             Collection("secrets", namespace, label_selector=OUR_OBJECTS),
             token_of,
             label=self.label,
+            bookmark_period_s=self.bookmark_period_s,
+            on_event=self.on_cache_event,
         )
         secrets = (await self._start(("secrets", namespace), secrets)).informer
         return PoolCaches(nodes, pods, jobs, secrets, cluster=self)
@@ -211,6 +229,8 @@ class ClusterCaches:
                 pod_facts,
                 label=self.label,
                 keep=lambda pod: pod.node in self._node_refs,
+                bookmark_period_s=self.bookmark_period_s,
+                on_event=self.on_cache_event,
             )
             self._filler = trio.CancelScope()
             self._nursery.start_soon(self._fill_loop, self._pods, self._filler)
@@ -330,10 +350,19 @@ class _Cluster:
 
 
 class Clusters:
-    """Every cluster the controlplane's pools reach, each with one client and its caches."""
+    """Every cluster the controlplane's pools reach, each with one client and its caches
+    (`ClusterCaches`: `bookmark_period_s` and `on_cache_event` are passed on)."""
 
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        *,
+        bookmark_period_s: float = BOOKMARK_PERIOD_S,
+        on_cache_event: CacheEvent | None = None,
+    ) -> None:
         self._nursery = nursery
+        self._bookmark_period_s = bookmark_period_s
+        self._on_cache_event = on_cache_event
         self._clusters: dict[tuple[Any, ...], _Cluster] = {}
         self._lock = trio.Lock()
 
@@ -375,7 +404,14 @@ class Clusters:
         task_status: trio.TaskStatus[_Cluster] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         async with open_kube_client(pool) as api, trio.open_nursery() as nursery:
-            entry = _Cluster(ClusterCaches(api, nursery, label=pool.name), set(), trio.Event())
+            caches = ClusterCaches(
+                api,
+                nursery,
+                label=pool.name,
+                bookmark_period_s=self._bookmark_period_s,
+                on_cache_event=self._on_cache_event,
+            )
+            entry = _Cluster(caches, set(), trio.Event())
             self._clusters[key] = entry
             task_status.started(entry)
             await entry.done.wait()

@@ -214,6 +214,9 @@ class MachineView:
     cpu_free_millis: int
     memory_free_bytes: int
     worker: MachineWorker | None = None
+    error: str | None = None
+    """Why the last write for this node (its worker Job or Secret) failed; it is retried on
+    the node's own backoff while the pool's other nodes go on."""
 
 
 @attrs.frozen
@@ -222,6 +225,8 @@ class SkippedNode:
 
     node: str
     reason: str
+    error: str | None = None
+    """Why the last write for this node (deleting its worker Job) failed."""
 
 
 @attrs.frozen

@@ -166,6 +166,11 @@ class WorkerRegistry:
         """Whether this replica holds the worker's token itself (not only its hash)."""
         return worker_id in self._entries
 
+    def token_of(self, worker_id: str) -> str | None:
+        """The worker's token, where this replica holds it (to write its Secret again)."""
+        entry = self._entries.get(worker_id)
+        return entry.token if entry is not None else None
+
     def knows(self, worker_id: str) -> bool:
         return worker_id in self._entries or worker_id in self._rows
 

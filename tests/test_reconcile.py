@@ -11,6 +11,7 @@ import pytest
 from agent.wire.errors import ApiError
 from control.kube.planner import (
     CreateJob,
+    CreateSecret,
     DeleteJob,
     Machine,
     NotAMachine,
@@ -78,12 +79,15 @@ def pod(
     memory: str = "0",
     phase: str = "Running",
     ours: bool = False,
+    job: str | None = None,
 ) -> dict[str, Any]:
     labels = (
         {"app.kubernetes.io/name": "levers9-worker", "app.kubernetes.io/managed-by": "levers9"}
         if ours
         else {}
     )
+    if job is not None:
+        labels["batch.kubernetes.io/job-name"] = labels["job-name"] = job
     spec: dict[str, Any] = {
         "containers": [
             {
@@ -453,6 +457,61 @@ def test_fresh_heartbeat_keeps_the_job() -> None:
     assert plan.actions == ()
     worker = plan.machines[0].worker
     assert worker is not None and (worker.state, worker.age_seconds) == ("ready", 3600)
+
+
+def test_a_second_job_on_a_node_is_deleted_and_the_one_holding_cards_stays() -> None:
+    older, newer = job_for("n1", 0), job_for("n1", 1)
+    keeper = newer["metadata"]["name"]
+    pods = [
+        pod(gpus=4, ours=True, job=keeper),
+        pod(gpus=4, ours=True, phase="Pending", job=older["metadata"]["name"]),
+    ]
+    plan = plan_pool(SETTINGS, [node()], pods, [older, newer], [], NOW)
+    (delete,) = _deletes(plan.actions)
+    assert delete.name == older["metadata"]["name"]
+    assert delete.node == "n1"
+    assert delete.reason == f"surplus worker on n1: {keeper} holds its cards"
+    assert _creates(plan.actions) == []
+    worker = plan.machines[0].worker
+    assert worker is not None and worker.state == "pending"
+
+
+def test_of_two_jobs_with_no_pod_yet_the_registered_one_stays_else_the_older() -> None:
+    older, newer = job_for("n1", 0), job_for("n1", 1)
+    registered = WorkerRecord(
+        newer["metadata"]["name"], "n1", WorkerState.READY, NOW - 60, last_heartbeat=NOW - 5
+    )
+    plan = plan_pool(SETTINGS, [node()], [], [older, newer], [registered], NOW)
+    assert [d.name for d in _deletes(plan.actions)] == [older["metadata"]["name"]]
+    assert "has registered" in _deletes(plan.actions)[0].reason
+    plan = plan_pool(SETTINGS, [node()], [], [newer, older], [], NOW)
+    assert [d.name for d in _deletes(plan.actions)] == [newer["metadata"]["name"]]
+    assert "is older" in _deletes(plan.actions)[0].reason
+
+
+def test_a_held_node_gets_no_action_and_the_others_go_on() -> None:
+    job = job_for("n2", 0)
+    plan = plan_pool(
+        SETTINGS, [node("n1"), node("n3")], [], [job], [], NOW, held={"n1", "n2", "n9"}
+    )
+    # n1 would get a worker and n2's Job would go (its node is gone): both held; n3 goes on.
+    assert [c.node for c in _creates(plan.actions)] == ["n3"]
+    assert _deletes(plan.actions) == []
+    assert plan.held == ("n1", "n2")
+    assert [m.node for m in plan.machines] == ["n1", "n3"]
+
+
+def test_a_job_whose_secret_is_missing_gets_it_again_where_its_token_is_held() -> None:
+    job = job_for("n1", 0)
+    name = job["metadata"]["name"]
+    pods = [pod(gpus=4, ours=True, job=name)]
+    plan = plan_pool(SETTINGS, [node()], pods, [job], [], NOW, secrets=set(), tokens={name})
+    assert plan.actions == (CreateSecret(name, "n1"),)
+    # Not without the token (another replica started it), nor where the Secret is there.
+    assert plan_pool(SETTINGS, [node()], pods, [job], [], NOW, secrets=set()).actions == ()
+    secrets = {token_secret_name(name)}
+    plan = plan_pool(SETTINGS, [node()], pods, [job], [], NOW, secrets=secrets, tokens={name})
+    assert plan.actions == ()
 
 
 def test_finished_job_is_followed_by_the_next_generation() -> None:

@@ -873,7 +873,10 @@ def machine_list(statuses: Sequence[PoolStatus]) -> MachineList:
                 pool=status.pool,
                 passed_at=status.passed_at,
                 error=status.error,
-                skipped=tuple(SkippedNode(node=n.node, reason=n.reason) for n in status.skipped),
+                skipped=tuple(
+                    SkippedNode(node=n.node, reason=n.reason, error=status.failed.get(n.node))
+                    for n in status.skipped
+                ),
             )
             for status in statuses
         ),
@@ -893,6 +896,7 @@ def _machine_view(machine: Machine) -> MachineView:
         worker=None
         if worker is None
         else MachineWorker(state=WorkerState(worker.state), age_seconds=worker.age_seconds),
+        error=machine.error,
     )
 
 
@@ -975,7 +979,7 @@ async def serve_controlplane(
         control = Controlplane(config, registry, dispatcher)
         control.pool_env = pool_env
         control._nursery = nursery
-        control._clusters = Clusters(nursery)
+        control._clusters = Clusters(nursery, on_cache_event=control.metrics.cache_event)
         listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
         port = int(listeners[0].socket.getsockname()[1])
         control.port = port

@@ -48,3 +48,7 @@ async def machine_list(args: argparse.Namespace) -> None:
     for pool in listing.pools:
         if pool.error:
             print(f"pool {pool.pool}: last pass failed: {pool.error}", file=sys.stderr)
+    failing = [(m.pool, m.node, m.error) for m in listing.machines if m.error]
+    failing += [(p.pool, s.node, s.error) for p in listing.pools for s in p.skipped if s.error]
+    for pool_name, node, error in failing:
+        print(f"pool {pool_name}: node {node}: last write failed: {error}", file=sys.stderr)

@@ -34,6 +34,7 @@ import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -43,10 +44,13 @@ from agent.wire.errors import ErrorCode
 from control.kube.adapter import KubeAlreadyExists, KubeApi, KubeError, KubeNotFound
 from control.kube.caches import PoolCaches, PoolCluster
 from control.kube.events import EventRecorder
+from control.kube.expectations import Expectation, Expectations, Expecting
 from control.kube.informer import Change
 from control.kube.planner import (
     POOL_LABEL,
+    Action,
     CreateJob,
+    CreateSecret,
     DeleteJob,
     JobFacts,
     Machine,
@@ -59,6 +63,7 @@ from control.kube.planner import (
     WorkerRecord,
     job_manifest,
     plan_pool,
+    token_secret,
     token_secret_name,
     with_job_uid,
     worker_labels,
@@ -98,13 +103,25 @@ def settings_of(pool: PoolConfig) -> PoolSettings:
 
 @attrs.frozen
 class PoolStatus:
-    """What the last pass saw: the machines, the nodes that are not, and any failure."""
+    """What the last pass saw: the machines, the nodes that are not, and any failure: the
+    pass's own (`error`), or a node's write (`Machine.error`, `failed`)."""
 
     pool: str
     machines: tuple[Machine, ...] = ()
     skipped: tuple[NotAMachine, ...] = ()
     passed_at: float | None = None
     error: str | None = None
+    failed: Mapping[str, str] = attrs.field(factory=dict)
+    """Nodes whose last write failed, and why; each is retried on its own backoff."""
+
+
+@attrs.define
+class KeyFailure:
+    """A node whose last write failed: why, and when it may be tried again (trio's clock)."""
+
+    error: str
+    retry_at: float
+    backoff: BackoffState = attrs.Factory(BackoffState)
 
 
 @attrs.define
@@ -118,6 +135,9 @@ class PassCounts:
     skipped: int = 0
     jobs_created: int = 0
     jobs_deleted: int = 0
+
+    held: int = 0
+    failed: int = 0
 
     def fields(self) -> dict[str, int]:
         return attrs.asdict(self)
@@ -137,6 +157,8 @@ EVENT_WAIT_S = 5.0
 hold up the pass)."""
 PODS_LISTED_WAIT_S = 10.0
 """How long a pass waits for the pods of nodes that just entered to be listed."""
+APPLY_CONCURRENCY = 8
+"""Nodes whose actions a pass carries out at once (one node's actions go in order)."""
 
 
 def next_pass_in_s(plan: Plan | None, reconcile_seconds: float) -> float:
@@ -148,6 +170,17 @@ def next_pass_in_s(plan: Plan | None, reconcile_seconds: float) -> float:
 def failure_backoff(reconcile_seconds: float) -> Backoff:
     return Backoff(
         initial_s=reconcile_seconds,
+        factor=2.0,
+        cap_s=max(reconcile_seconds, FAILED_CAP_S),
+        stable_s=0.0,
+        jitter=0.2,
+    )
+
+
+def key_backoff(reconcile_seconds: float) -> Backoff:
+    """A node's own retries after its write failed: soon at first, capped as the pool's."""
+    return Backoff(
+        initial_s=min(2.0, reconcile_seconds),
         factor=2.0,
         cap_s=max(reconcile_seconds, FAILED_CAP_S),
         stable_s=0.0,
@@ -195,6 +228,10 @@ class PoolReconciler:
         self._logged_error: str | None = None
         self._one_pass_at_a_time = trio.Lock()
         self.events = EventRecorder(cluster.api, pool=pool.name, clock=clock)
+        self.expectations = Expectations()
+        """Writes of this reconciler its caches have not shown yet; their nodes are held."""
+        self.failures: dict[str, KeyFailure] = {}
+        """Nodes whose last write failed, retried each on its own backoff."""
 
     # -- what wakes a pass ------------------------------------------------------------------
 
@@ -247,7 +284,11 @@ class PoolReconciler:
                     await trio.sleep(delay)
                     continue
                 self._failures = BackoffState()
-                await self._wait(next_pass_in_s(plan, self.settings.reconcile_seconds))
+                period = next_pass_in_s(plan, self.settings.reconcile_seconds)
+                if self.failures:
+                    retry_in = min(f.retry_at for f in self.failures.values())
+                    period = min(period, max(retry_in - trio.current_time(), 0.0))
+                await self._wait(period)
         finally:
             for unsubscribe in undo:
                 unsubscribe()
@@ -304,11 +345,16 @@ class PoolReconciler:
         if self._logged_error is not None:
             log.info("pool %s: reconcile passes again", name, extra={"pool": name})
             self._logged_error = None
+        failed = {node: f.error for node, f in self.failures.items()}
         self.status = PoolStatus(
             pool=name,
-            machines=plan.machines,
+            machines=tuple(
+                attrs.evolve(m, error=failed[m.node]) if m.node in failed else m
+                for m in plan.machines
+            ),
             skipped=plan.skipped,
             passed_at=self.clock(),
+            failed=failed,
         )
         level = logging.INFO if plan.actions else logging.DEBUG
         log.log(
@@ -360,20 +406,138 @@ class PoolReconciler:
         jobs = [job for job in self.caches.jobs.items.values() if job.pool == self._pool_label]
         counts.jobs = len(jobs)
         now = self.clock()
+        secrets = {key.partition("/")[2] for key in self.caches.secrets.items}
+        jobs = self._expected_jobs(jobs, secrets)
         await self._adopt_tokens(jobs)
         await self._note_finished(jobs)
         self._fold_in(jobs, now)
-        plan = plan_pool(self.settings, nodes.values(), pods, jobs, self.records.values(), now)
+        held = self._held()
+        plan = plan_pool(
+            self.settings,
+            nodes.values(),
+            pods,
+            jobs,
+            self.records.values(),
+            now,
+            held=held,
+            secrets=secrets,
+            tokens={job.name for job in jobs if self.registry.has_token(job.name)},
+        )
         counts.machines = len(plan.machines)
         counts.skipped = len(plan.skipped)
+        counts.held = len(plan.held)
+        by_node: dict[str, list[Action]] = {}
         for action in plan.actions:
-            if isinstance(action, CreateJob):
-                if await self._create(action, now):
-                    counts.jobs_created += 1
-            else:
-                await self._delete(action)
-                counts.jobs_deleted += 1
+            by_node.setdefault(action.node, []).append(action)
+        limiter = trio.CapacityLimiter(APPLY_CONCURRENCY)
+        async with trio.open_nursery() as nursery:
+            for node, actions in by_node.items():
+                nursery.start_soon(self._apply, node, actions, now, counts, limiter)
+        counts.failed = len(self.failures)
         return plan
+
+    def _expected_jobs(self, jobs: list[JobFacts], secrets: set[str]) -> list[JobFacts]:
+        """Settle the writes the caches now show, and count the Jobs created but not shown
+        yet as this pool's pending workers (a pass planned without them would start a
+        second worker on their nodes)."""
+        active = {job.name for job in jobs if job.active}
+        settled = self.expectations.observe(active, {job.name for job in jobs}, secrets)
+        if settled:
+            log.debug(
+                "pool %s: the caches show %s",
+                self.settings.name,
+                ", ".join(e.describe() for e in settled),
+                extra={"pool": self.settings.name},
+            )
+        for lapsed in self.expectations.lapse(trio.current_time()):
+            log.warning(
+                "pool %s: %s %.0f s ago, and the caches still do not show it; planning node "
+                "%s again from what they show",
+                self.settings.name,
+                lapsed.describe(),
+                trio.current_time() - lapsed.since,
+                lapsed.node,
+                extra={"pool": self.settings.name, "node": lapsed.node, "worker": lapsed.name},
+            )
+        known = {job.name for job in jobs}
+        unseen = [
+            JobFacts(
+                name=e.name,
+                node=e.node,
+                generation=e.generation,
+                created_at=e.created_at,
+                active=True,
+                pool=self._pool_label,
+            )
+            for e in self.expectations.created_jobs()
+            if e.name not in known
+        ]
+        return jobs + unseen
+
+    def _held(self) -> set[str]:
+        """Nodes that get no action this pass: a write not shown by the caches yet, or a
+        failed one waiting for its retry."""
+        now = trio.current_time()
+        held = set(self.expectations.unsettled())
+        held.update(node for node, f in self.failures.items() if f.retry_at > now)
+        return held
+
+    async def _apply(
+        self,
+        node: str,
+        actions: list[Action],
+        now: float,
+        counts: PassCounts,
+        limiter: trio.CapacityLimiter,
+    ) -> None:
+        """One node's actions, in order; a failure is this node's alone: it is shown on the
+        node and retried on the node's own backoff, and the other nodes go on."""
+        async with limiter:
+            try:
+                for action in actions:
+                    if isinstance(action, CreateJob):
+                        if await self._create(action, now):
+                            counts.jobs_created += 1
+                    elif isinstance(action, CreateSecret):
+                        await self._create_secret(action)
+                    else:
+                        await self._delete(action)
+                        counts.jobs_deleted += 1
+            except KubeError as exc:
+                self._key_failed(node, exc)
+                return
+        if self.failures.pop(node, None) is not None:
+            log.info(
+                "pool %s: node %s: writes go through again",
+                self.settings.name,
+                node,
+                extra={"pool": self.settings.name, "node": node},
+            )
+
+    def _key_failed(self, node: str, exc: KubeError) -> None:
+        failure = self.failures.get(node)
+        if failure is None:
+            failure = self.failures[node] = KeyFailure(error=exc.message, retry_at=0.0)
+            log.warning(
+                "pool %s: node %s: %s",
+                self.settings.name,
+                node,
+                exc.message,
+                extra={"pool": self.settings.name, "node": node, "error": exc.code.name},
+            )
+        elif failure.error != exc.message:
+            failure.error = exc.message
+            log.warning(
+                "pool %s: node %s: %s",
+                self.settings.name,
+                node,
+                exc.message,
+                extra={"pool": self.settings.name, "node": node, "error": exc.code.name},
+            )
+        policy = key_backoff(self.settings.reconcile_seconds)
+        delay = next_delay(policy, failure.backoff, random.random())
+        record_failure(failure.backoff)
+        failure.retry_at = trio.current_time() + delay
 
     async def _pods_listed(self, nodes: Iterable[str]) -> None:
         """Wait (briefly) for the pods of nodes that entered after the pod cache's first list:
@@ -457,6 +621,17 @@ class PoolReconciler:
         )
         # The registry accepts the token before the worker can possibly present it.
         await self.registry.add_worker(action.name, token)
+        # Expected before the write: the cache may show the Job before the answer comes.
+        self.expectations.expect(
+            Expectation(
+                action.node,
+                Expecting.JOB_CREATED,
+                action.name,
+                trio.current_time(),
+                generation=action.generation,
+                created_at=now,
+            )
+        )
         try:
             job = await self.kube.create_job(namespace, manifests.job)
         except KubeAlreadyExists:
@@ -468,6 +643,12 @@ class PoolReconciler:
                 extra={"pool": self.settings.name, "worker": action.name, "node": action.node},
             )
             return False
+        except KubeError:
+            self.expectations.forget(Expecting.JOB_CREATED, action.name)
+            raise
+        self.records[action.name] = WorkerRecord(
+            job_name=action.name, node=action.node, state=WorkerState.PENDING, created_at=now
+        )
         with trio.move_on_after(EVENT_WAIT_S):
             await self.events.record(
                 job,
@@ -475,14 +656,7 @@ class PoolReconciler:
                 f"created worker for {action.cards} free card(s) on {action.node}",
             )
         uid = str((job.get("metadata") or {}).get("uid", ""))
-        try:
-            await self.kube.create_secret(namespace, with_job_uid(manifests.secret, uid))
-        except KubeAlreadyExists:
-            await self.kube.delete_secret(namespace, token_secret_name(action.name))
-            await self.kube.create_secret(namespace, with_job_uid(manifests.secret, uid))
-        self.records[action.name] = WorkerRecord(
-            job_name=action.name, node=action.node, state=WorkerState.PENDING, created_at=now
-        )
+        await self._write_secret(action.node, action.name, with_job_uid(manifests.secret, uid))
         log.info(
             "pool %s: started worker %s on %s with %d card(s)",
             self.settings.name,
@@ -498,6 +672,41 @@ class PoolReconciler:
         )
         return True
 
+    async def _write_secret(self, node: str, job: str, manifest: Mapping[str, Any]) -> None:
+        """The worker's token Secret (owned by its Job), replacing one left from before."""
+        namespace = self.settings.namespace
+        name = token_secret_name(job)
+        self.expectations.expect(
+            Expectation(node, Expecting.SECRET_CREATED, name, trio.current_time())
+        )
+        try:
+            try:
+                await self.kube.create_secret(namespace, manifest)
+            except KubeAlreadyExists:
+                await self.kube.delete_secret(namespace, name)
+                await self.kube.create_secret(namespace, manifest)
+        except KubeError:
+            # The Job stays; a later pass writes its Secret again (`CreateSecret`).
+            self.expectations.forget(Expecting.SECRET_CREATED, name)
+            raise
+
+    async def _create_secret(self, action: CreateSecret) -> None:
+        """A Job of ours without its token Secret: write it again from the token held here."""
+        token = self.registry.token_of(action.job)
+        cached = self.caches.jobs.items.get(f"{self.settings.namespace}/{action.job}")
+        if token is None or cached is None:
+            return
+        secret = token_secret(
+            self.settings, action.node, action.job, token_secret_name(action.job), token
+        )
+        await self._write_secret(action.node, action.job, with_job_uid(secret, cached.uid))
+        log.info(
+            "pool %s: wrote the token Secret of worker %s again",
+            self.settings.name,
+            action.job,
+            extra={"pool": self.settings.name, "worker": action.job, "node": action.node},
+        )
+
     async def _delete(self, action: DeleteJob) -> None:
         namespace = self.settings.namespace
         cached = self.caches.jobs.items.get(f"{namespace}/{action.name}")
@@ -510,14 +719,22 @@ class PoolReconciler:
         }
         with trio.move_on_after(EVENT_WAIT_S):
             await self.events.record(job, "Deleted", f"deleted: {action.reason}")
-        for delete, name in (
-            (self.kube.delete_job, action.name),
-            (self.kube.delete_secret, token_secret_name(action.name)),
-        ):
-            try:
-                await delete(namespace, name)
-            except KubeNotFound:
-                pass
+        node = action.node or (cached.node if cached is not None else "")
+        self.expectations.expect(
+            Expectation(node, Expecting.JOB_DELETED, action.name, trio.current_time())
+        )
+        try:
+            for delete, name in (
+                (self.kube.delete_job, action.name),
+                (self.kube.delete_secret, token_secret_name(action.name)),
+            ):
+                try:
+                    await delete(namespace, name)
+                except KubeNotFound:
+                    pass
+        except KubeError:
+            self.expectations.forget(Expecting.JOB_DELETED, action.name)
+            raise
         await self.registry.remove_worker(action.name)
         if self.on_worker_gone is not None and action.name not in self._gone:
             self._gone.add(action.name)

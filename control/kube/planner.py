@@ -20,7 +20,7 @@ import datetime
 import functools
 import hashlib
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -37,6 +37,8 @@ NODE_LABEL = "levers9.dev/node"
 GENERATION_LABEL = "levers9.dev/generation"
 # The full node name: a label value is at most 63 characters, a node name up to 253.
 NODE_ANNOTATION = "levers9.dev/node"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""Set by the Job controller on its pods (with the older `job-name`)."""
 WORKER_NAME = "levers9-worker"
 MANAGER = "levers9"
 TOKEN_KEY = "token"
@@ -392,6 +394,8 @@ class Machine:
     cpu_free_millis: int
     memory_free_bytes: int
     worker: WorkerView | None
+    error: str | None = None
+    """Why the last write for this node failed (it is retried on its own backoff)."""
 
     def to_json(self) -> dict[str, Any]:
         """The `levers9 machine list --json` shape."""
@@ -405,6 +409,7 @@ class Machine:
             "worker": None
             if self.worker is None
             else {"state": self.worker.state, "ageSeconds": self.worker.age_seconds},
+            "error": self.error,
         }
 
 
@@ -434,13 +439,14 @@ class NodeFacts:
 
 @attrs.frozen(slots=True)
 class PodFacts:
-    """A pod bound to a node: its phase and what the scheduler counts for it, and whether it
-    is one of our workers."""
+    """A pod bound to a node: its phase and what the scheduler counts for it, whether it is
+    one of our workers, and then the Job it belongs to."""
 
     node: str
     phase: str
     request: tuple[int, int, int]
     ours: bool
+    job: str = ""
 
 
 @attrs.frozen(slots=True)
@@ -496,11 +502,14 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts | None:
     node = (pod.get("spec") or {}).get("nodeName")
     if not node:
         return None
+    ours = is_our_worker(pod)
+    labels = (pod.get("metadata") or {}).get("labels") or {}
     return PodFacts(
         node=str(node),
         phase=str((pod.get("status") or {}).get("phase") or ""),
         request=_pod_triple(pod),
-        ours=is_our_worker(pod),
+        ours=ours,
+        job=str(labels.get(JOB_NAME_LABEL) or labels.get("job-name") or "") if ours else "",
     )
 
 
@@ -642,13 +651,29 @@ class CreateJob:
 class DeleteJob:
     name: str
     reason: str
+    node: str = ""
+
+
+@attrs.frozen
+class CreateSecret:
+    """A worker Job whose token Secret is missing (its create failed after the Job's): the
+    Secret is made again from the token this controlplane holds."""
+
+    job: str
+    node: str
+
+
+Action = CreateJob | DeleteJob | CreateSecret
 
 
 @attrs.frozen
 class Plan:
     machines: tuple[Machine, ...]
     skipped: tuple[NotAMachine, ...]
-    actions: tuple[CreateJob | DeleteJob, ...]
+    actions: tuple[Action, ...]
+    held: tuple[str, ...] = ()
+    """Nodes that needed an action but are held (a write not observed yet, or a failed one
+    waiting for its retry)."""
 
 
 def _timestamp(text: str | None) -> float | None:
@@ -682,6 +707,9 @@ def plan_pool(
     now: float,
     *,
     expire_after_s: float = EXPIRE_AFTER_S,
+    held: Collection[str] = (),
+    secrets: Collection[str] | None = None,
+    tokens: Collection[str] = (),
 ) -> Plan:
     """One reconcile pass for one pool.
 
@@ -698,7 +726,14 @@ def plan_pool(
       for less than that keeps its worker (a flapping kubelet does not cost running tasks)
       but is no machine;
     - a machine with free cards and no worker of ours gets a Job for all its free cards, named
-      for the next generation after every Job and record seen for the node.
+      for the next generation after every Job and record seen for the node;
+    - a node with more than one active Job of ours keeps one and the others are deleted: the
+      one whose pod holds cards, else the one whose worker registered, else the oldest;
+    - with `secrets` (the token Secrets' names): an active Job whose Secret is missing gets
+      it again when this controlplane holds its token (`tokens`: the Jobs' names).
+
+    Nodes in `held` get no action at all this pass (a write for them was not observed yet, or
+    failed and waits for its retry); the plan names those that wanted one.
 
     A Job without a record is counted as a pending worker and never expired here: after a
     controlplane restart its agent registers again.
@@ -714,17 +749,32 @@ def plan_pool(
         if tail.isdigit():
             generations[known.node] = max(generations.get(known.node, -1), int(tail))
     live_jobs: dict[str, list[JobFacts]] = {}
-    actions: list[CreateJob | DeleteJob] = []
+    actions: list[Action] = []
     for job in jobs:
         generations[job.node] = max(generations.get(job.node, -1), job.generation)
         record = records_by_job.get(job.name)
         if job.active and record is not None and now - record.last_seen() >= expire_after_s:
             actions.append(
-                DeleteJob(job.name, f"no heartbeat for {int(now - record.last_seen())} s")
+                DeleteJob(job.name, f"no heartbeat for {int(now - record.last_seen())} s", job.node)
             )
             continue
         if job.active:
             live_jobs.setdefault(job.node, []).append(job)
+    for node_name, node_jobs in live_jobs.items():
+        if len(node_jobs) > 1:
+            keep = _worker_to_keep(node_jobs, pods_by_node.get(node_name, ()), records_by_job)
+            actions.extend(
+                DeleteJob(job.name, f"surplus worker on {node_name}: {keep[1]}", node_name)
+                for job in node_jobs
+                if job is not keep[0]
+            )
+            live_jobs[node_name] = [keep[0]]
+        if secrets is not None:
+            actions.extend(
+                CreateSecret(job.name, node_name)
+                for job in live_jobs[node_name]
+                if token_secret_name(job.name) not in secrets and job.name in tokens
+            )
 
     machines: list[Machine] = []
     skipped: list[NotAMachine] = []
@@ -743,7 +793,7 @@ def plan_pool(
         if isinstance(result, NotAMachine):
             skipped.append(result)
             if not _in_not_ready_grace(node, settings, now):
-                actions.extend(DeleteJob(job.name, result.reason) for job in node_jobs)
+                actions.extend(DeleteJob(job.name, result.reason, name) for job in node_jobs)
             continue
         if view is None and any(pod.ours and pod.phase not in TERMINAL_PHASES for pod in node_pods):
             view = WorkerView(WorkerState.STOPPING, 0.0)
@@ -763,10 +813,56 @@ def plan_pool(
     for node_name, node_jobs in live_jobs.items():
         if node_name not in seen_nodes:
             actions.extend(
-                DeleteJob(job.name, "node is gone or no longer matches the pool's selector")
+                DeleteJob(
+                    job.name, "node is gone or no longer matches the pool's selector", node_name
+                )
                 for job in node_jobs
             )
-    return Plan(tuple(machines), tuple(skipped), tuple(actions))
+    wanted = {_action_node(action) for action in actions}
+    return Plan(
+        tuple(machines),
+        tuple(skipped),
+        tuple(a for a in actions if _action_node(a) not in held),
+        held=tuple(sorted(wanted.intersection(held))),
+    )
+
+
+def _action_node(action: Action) -> str:
+    return action.node
+
+
+def _worker_to_keep(
+    node_jobs: Sequence[JobFacts], pods: Iterable[PodFacts], records: Mapping[str, WorkerRecord]
+) -> tuple[JobFacts, str]:
+    """Which of several Jobs of ours on one node stays, and why: the one whose pod holds cards
+    (its worker may run tasks), else the one whose worker registered, else the oldest."""
+    holding = {
+        pod.job
+        for pod in pods
+        if pod.ours and pod.phase == "Running" and pod.request[0] > 0 and pod.job
+    }
+    bound = {pod.job for pod in pods if pod.ours and pod.phase not in TERMINAL_PHASES}
+
+    def rank(job: JobFacts) -> tuple[int, int, int, int]:
+        record = records.get(job.name)
+        registered = record is not None and record.last_heartbeat is not None
+        return (
+            job.name not in holding,
+            job.name not in bound,
+            not registered,
+            job.generation,
+        )
+
+    keep = min(node_jobs, key=rank)
+    if keep.name in holding:
+        why = f"{keep.name} holds its cards"
+    elif keep.name in bound:
+        why = f"{keep.name} has its pod there"
+    elif rank(keep)[2] == 0:
+        why = f"{keep.name} has registered"
+    else:
+        why = f"{keep.name} is older"
+    return keep, why
 
 
 def plan_objects(
@@ -943,18 +1039,25 @@ def job_manifest(
             },
         },
     }
-    secret = {
+    return WorkerManifests(job, token_secret(settings, node, name, token_secret_name, token))
+
+
+def token_secret(
+    settings: PoolSettings, node: str, job: str, secret_name: str, token: str
+) -> dict[str, Any]:
+    """The Secret holding a worker's token, to be owned by its Job (`with_job_uid`)."""
+    return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {
-            "name": token_secret_name,
+            "name": secret_name,
             "namespace": settings.namespace,
-            "labels": labels,
+            "labels": worker_labels(settings.name, node),
             "ownerReferences": [
                 {
                     "apiVersion": "batch/v1",
                     "kind": "Job",
-                    "name": name,
+                    "name": job,
                     "uid": "",
                     "controller": True,
                     "blockOwnerDeletion": False,
@@ -964,7 +1067,6 @@ def job_manifest(
         "type": "Opaque",
         "stringData": {TOKEN_KEY: token},
     }
-    return WorkerManifests(job, secret)
 
 
 def with_job_uid(secret: Mapping[str, Any], uid: str) -> dict[str, Any]:

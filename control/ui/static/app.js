@@ -352,9 +352,11 @@ async function machinesView(signal) {
               h("td", {}, cardBar(m.cards)),
               h("td", { text: `${(m.cpuFreeMillis / 1000).toFixed(1)} cores` }),
               h("td", { text: bytes(m.memoryFreeBytes) }),
-              h("td", {}, m.worker ? `${m.worker.state} · ${ago(m.worker.ageSeconds)}` : h("span", { class: "muted", text: "none" })))))),
+              h("td", {}, m.worker ? `${m.worker.state} · ${ago(m.worker.ageSeconds)}` : h("span", { class: "muted", text: "none" }),
+                m.error ? h("div", { class: "notice error node-error" }, h("strong", { text: "Last write failed: " }), m.error) : null))))),
           pool.skipped?.length ? h("details", {}, h("summary", { text: "Nodes left out" }),
-            h("ul", {}, pool.skipped.map((s) => h("li", {}, h("strong", { text: s.node }), `: ${s.reason}`)))) : null);
+            h("ul", {}, pool.skipped.map((s) => h("li", {}, h("strong", { text: s.node }), `: ${s.reason}`,
+              s.error ? h("span", { class: "node-error" }, ` (last write failed: ${s.error})`) : null)))) : null);
       });
       body.replaceChildren(...(sections.length ? sections : [h("p", { class: "muted", text: "No pools reconciled by this replica yet." })]));
     } catch (error) {

@@ -98,6 +98,7 @@ class WorkerRegistry:
         settings: Http2Settings | None = None,
         keepalive: KeepaliveConfig | None = None,
         replication: Replication | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._entries = {wid: WorkerEntry(wid, token) for wid, token in tokens.items()}
         self._configured = dict(tokens)
@@ -109,7 +110,7 @@ class WorkerRegistry:
         self._owned: set[str] = set()
         """Workers this replica holds a claim on (with replication)."""
         self._owner_cache: dict[str, tuple[OwnerAddress, float]] = {}
-        self._clock: Callable[[], float] = time.time
+        self._clock = clock
         self._nursery = nursery
         self.on_connection: Callable[[Http2Connection, str], None] | None = None
         """Told of each tunnel that lands and each direct connection dialed, with its mode
@@ -306,7 +307,7 @@ class WorkerRegistry:
     ) -> None:
         """The worker's tunnel landed here: this replica owns it now, whoever did before."""
         self._attach(worker_id, client, version)
-        await self._claim(worker_id, force=True)
+        await self._claim(worker_id, force=True, tunnel=True)
 
     def _attach(self, worker_id: str, client: WorkerClient, version: str | None) -> None:
         entry = self._entry(worker_id)
@@ -472,6 +473,17 @@ class WorkerRegistry:
             return None
         return row.owner
 
+    def _reached_here(self, worker_id: str, row: WorkerRow) -> bool:
+        """The worker's newest tunnel landed on this replica and is open."""
+        assert self.replication is not None
+        entry = self._entries.get(worker_id)
+        return (
+            row.tunnel_replica == self.replication.replica
+            and entry is not None
+            and entry.tunnel is not None
+            and entry.tunnel.conn.usable
+        )
+
     def owns(self, worker_id: str) -> bool:
         """Whether this replica schedules onto the worker and watches its tasks (always, with
         no replication)."""
@@ -484,7 +496,7 @@ class WorkerRegistry:
     def owned_entries(self) -> builtins.list[WorkerEntry]:
         return [e for e in self._entries.values() if self.owns(e.worker_id)]
 
-    async def _claim(self, worker_id: str, *, force: bool) -> bool:
+    async def _claim(self, worker_id: str, *, force: bool, tunnel: bool = False) -> bool:
         assert self.replication is not None
         now = self._clock()
         taken = await self.replication.directory.claim(
@@ -493,6 +505,7 @@ class WorkerRegistry:
             now=now,
             until=now + self.replication.lease_s,
             force=force,
+            tunnel=tunnel,
         )
         if taken:
             self._owner_cache.pop(worker_id, None)
@@ -518,7 +531,22 @@ class WorkerRegistry:
         changed = bool(lost)
         for worker_id in lost:
             self._owned.discard(worker_id)
-            owner = rows[worker_id].owner if worker_id in rows else None
+            row = rows.get(worker_id)
+            # Taken while this replica renewed late (a loaded machine, a slow database), by
+            # one that cannot reach the worker: its tunnel is here, so is its owner.
+            if (
+                row is not None
+                and self._reached_here(worker_id, row)
+                and await self._claim(worker_id, force=True)
+            ):
+                log.info(
+                    "worker %s: taken back from %s; its tunnel is here",
+                    worker_id,
+                    row.owner or "nobody",
+                    extra={"worker": worker_id, "replica": row.owner or ""},
+                )
+                continue
+            owner = row.owner if row is not None else None
             log.info(
                 "worker %s is owned by %s now",
                 worker_id,
@@ -549,9 +577,13 @@ class WorkerRegistry:
                 and (row.facts or {}).get("mode") == "direct"
                 and (row.facts or {}).get("address")
             )
-            if tunnel_here or dialable or worker_id in claim:
-                # A worker with tasks is taken even when its token is not known here: its
-                # watchers wait for it, and lose it to the replica its tunnel lands on.
+            # A worker with tasks is taken even when its token is not known here: its watchers
+            # wait for it, and lose it to the replica its tunnel lands on. Not while its
+            # owner may only be renewing late: that one holds its tunnel.
+            orphaned = worker_id in claim and (
+                row.owner is None or (row.owner_expires or 0) + replication.lease_s <= now
+            )
+            if tunnel_here or dialable or orphaned:
                 changed |= await self._claim(worker_id, force=False)
         if changed:
             self._notify()

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from control.config import DatabaseSettings
+from control.registry import Replication, WorkerRegistry
 from control.replicas.directory import Directory, OwnerAddress, token_hash
 from control.tasks.databases import open_task_store
 
@@ -108,3 +109,51 @@ async def test_racing_replicas_take_a_worker_exactly_once(directory: Directory) 
             nursery.start_soon(race, replica)
     assert len(taken) == 1
     assert (await directory.workers())[0].owner == taken[0]
+
+
+class _Tunnel:
+    """What the registry reads of a worker's tunnel: whether new streams may open on it."""
+
+    def __init__(self) -> None:
+        self.conn = self
+        self.usable = True
+
+    async def aclose(self) -> None:
+        self.usable = False
+
+
+async def test_a_late_renewal_does_not_lose_a_worker_to_a_replica_without_its_tunnel(
+    directory: Directory,
+) -> None:
+    """The replica holding a worker's tunnel renews late (a loaded machine): another replica,
+    with the worker's tasks but no tunnel, waits a lease more before it takes the worker, and
+    the tunnel's replica takes it back at once; only a newer tunnel elsewhere moves it."""
+    now = [100.0]
+    async with trio.open_nursery() as nursery:
+        a, b = (
+            WorkerRegistry(
+                {"w-1": "tok-w-1-0123456789"},
+                nursery,
+                replication=Replication(directory, name, lease_s=3.0),
+                clock=lambda: now[0],
+            )
+            for name in ("a", "b")
+        )
+        tunnel = _Tunnel()
+        await a.attach_tunnel("w-1", tunnel)  # type: ignore[arg-type]
+        assert a.owns("w-1")
+        now[0] = 104.0  # A's claim lapsed at 103 without a renewal
+        await b.sync(claim={"w-1"})
+        assert not b.owns("w-1")  # A may be renewing late: it holds the tunnel
+        now[0] = 106.5
+        await b.sync(claim={"w-1"})
+        assert b.owns("w-1")  # a lease past the lapse: A is taken for gone
+        await a.sync()
+        assert a.owns("w-1")  # the tunnel is on A: A takes it back
+        await b.sync(claim={"w-1"})
+        assert not b.owns("w-1")
+        # The worker's next tunnel lands on B: A's old one no longer counts.
+        await b.attach_tunnel("w-1", _Tunnel())  # type: ignore[arg-type]
+        await a.sync()
+        assert b.owns("w-1") and not a.owns("w-1")
+        nursery.cancel_scope.cancel()

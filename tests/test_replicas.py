@@ -196,5 +196,10 @@ async def test_a_rolling_restart_under_a_stream_of_tasks_loses_none_and_doubles_
         # No task was lost, and none was made twice by a retried create.
         assert sorted(view.id for view in listed) == sorted(created)
         assert len(ended) == TASKS
-        assert {view.state for view in ended.values()} == {"succeeded"}
+        unsucceeded = {
+            task_id: f"{view.state}: {view.reason}"
+            for task_id, view in ended.items()
+            if view.state != "succeeded"
+        }
+        assert unsucceeded == {}, f"{len(unsucceeded)} task(s) did not succeed: {unsucceeded}"
         assert jobs_created(kube) == 2

@@ -57,6 +57,8 @@ class WorkerRow:
     facts: dict[str, Any] | None
     owner: str | None
     owner_expires: float | None
+    tunnel_replica: str | None = None
+    """The replica the worker's newest tunnel landed on (tunnel mode), whoever owns it now."""
 
 
 def _in(ids: Sequence[str]) -> str:
@@ -136,7 +138,8 @@ class Directory:
     async def workers(self) -> list[WorkerRow]:
         def select(tx: Tx) -> list[WorkerRow]:
             rows = tx.execute(
-                "SELECT id, token_hash, facts, owner, owner_expires FROM workers ORDER BY id"
+                "SELECT id, token_hash, facts, owner, owner_expires, tunnel_replica FROM workers "
+                "ORDER BY id"
             ).fetchall()
             return [
                 WorkerRow(
@@ -145,6 +148,7 @@ class Directory:
                     facts=json.loads(r[2]) if r[2] else None,
                     owner=r[3],
                     owner_expires=r[4],
+                    tunnel_replica=r[5],
                 )
                 for r in rows
             ]
@@ -152,10 +156,18 @@ class Directory:
         return await self._db.run(select)
 
     async def claim(
-        self, worker_id: str, replica: str, *, now: float, until: float, force: bool
+        self,
+        worker_id: str,
+        replica: str,
+        *,
+        now: float,
+        until: float,
+        force: bool,
+        tunnel: bool = False,
     ) -> bool:
         """Take the worker for `replica` until `until`: when nobody holds it, its owner's claim
-        has lapsed, `replica` holds it already, or with `force`. True if taken."""
+        has lapsed, `replica` holds it already, or with `force`. True if taken. With `tunnel`
+        (its tunnel just landed on `replica`), `replica` is recorded as where it is reached."""
 
         def take(tx: Tx) -> bool:
             tx.execute(
@@ -166,6 +178,11 @@ class Directory:
                 "(? OR owner IS NULL OR owner=? OR owner_expires IS NULL OR owner_expires <= ?)",
                 (replica, until, worker_id, force, replica, now),
             ).rowcount
+            if tunnel and changed == 1:
+                tx.execute(
+                    "UPDATE workers SET tunnel_replica=?, tunnel_at=? WHERE id=?",
+                    (replica, now, worker_id),
+                )
             return changed == 1
 
         return await self._db.run(take)

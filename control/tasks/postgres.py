@@ -85,6 +85,11 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX workers_owner ON workers (owner);
     """,
+    # 3: which replica a worker's newest tunnel landed on, and when.
+    """
+    ALTER TABLE workers ADD COLUMN tunnel_replica TEXT;
+    ALTER TABLE workers ADD COLUMN tunnel_at DOUBLE PRECISION;
+    """,
 )
 """Schema migrations; the database's version is how many of these it has had."""
 

@@ -79,6 +79,11 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX workers_owner ON workers (owner);
     """,
+    # 5: which replica a worker's newest tunnel landed on, and when.
+    """
+    ALTER TABLE workers ADD COLUMN tunnel_replica TEXT;
+    ALTER TABLE workers ADD COLUMN tunnel_at REAL;
+    """,
 )
 """Schema migrations; the file's version is how many of these it has had."""
 

@@ -44,7 +44,12 @@ from agent.wire.errors import ErrorCode
 from control.kube.adapter import KubeAlreadyExists, KubeApi, KubeError, KubeNotFound
 from control.kube.caches import PoolCaches, PoolCluster
 from control.kube.events import EventRecorder
-from control.kube.expectations import Expectation, Expectations, Expecting
+from control.kube.expectations import (
+    EXPECTATION_TIMEOUT_S,
+    Expectation,
+    Expectations,
+    Expecting,
+)
 from control.kube.informer import Change
 from control.kube.planner import (
     POOL_LABEL,
@@ -202,6 +207,7 @@ class PoolReconciler:
         clock: Callable[[], float] = time.time,
         on_worker_gone: Callable[[str, str], Awaitable[None]] | None = None,
         on_pass: Callable[[str, float, bool], None] | None = None,
+        expectation_timeout_s: float = EXPECTATION_TIMEOUT_S,
     ) -> None:
         self.settings = settings_of(pool)
         self.kube: KubeApi = cluster.api
@@ -228,7 +234,7 @@ class PoolReconciler:
         self._logged_error: str | None = None
         self._one_pass_at_a_time = trio.Lock()
         self.events = EventRecorder(cluster.api, pool=pool.name, clock=clock)
-        self.expectations = Expectations()
+        self.expectations = Expectations(expectation_timeout_s)
         """Writes of this reconciler its caches have not shown yet; their nodes are held."""
         self.failures: dict[str, KeyFailure] = {}
         """Nodes whose last write failed, retried each on its own backoff."""

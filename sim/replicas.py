@@ -41,6 +41,7 @@ from sim.cluster import (
     run_cli,
 )
 from sim.configs import Pki, make_pki
+from sim.faultproxy import FaultProxy
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode, SimulatedKubelet
 
@@ -49,44 +50,11 @@ REPO = Path(__file__).resolve().parents[1]
 __all__ = ["LoopbackService", "ReplicatedCluster", "open_replicated_cluster"]
 
 
-async def _pipe(source: trio.SocketStream, sink: trio.SocketStream) -> None:
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        async for data in source:
-            await sink.send_all(data)
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        await sink.send_eof()
-
-
 @attrs.define(eq=False)
-class LoopbackService:
-    """A TCP port whose connections go to its backends in turn, skipping one that refuses."""
-
-    backends: list[int]
-    port: int = 0
-    connections: int = 0
-    _next: int = 0
-
-    async def start(self, nursery: trio.Nursery) -> int:
-        listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
-        self.port = int(listeners[0].socket.getsockname()[1])
-        nursery.start_soon(trio.serve_listeners, self._forward, listeners)
-        return self.port
-
-    async def _forward(self, client: trio.SocketStream) -> None:
-        async with client:
-            count = len(self.backends)
-            for offset in range(count):
-                backend = self.backends[(self._next + offset) % count]
-                try:
-                    upstream = await trio.open_tcp_stream("127.0.0.1", backend)
-                except OSError:
-                    continue
-                self._next = (self._next + offset + 1) % count
-                self.connections += 1
-                async with upstream, trio.open_nursery() as nursery:
-                    nursery.start_soon(_pipe, client, upstream)
-                    nursery.start_soon(_pipe, upstream, client)
-                return
+class LoopbackService(FaultProxy):
+    """A Service in front of the replicas: a TCP port whose connections go to its backends in
+    turn, skipping one that refuses. A `FaultProxy`, so a fault campaign can cut or stall the
+    path between the workers and the replicas."""
 
 
 @attrs.define(eq=False)

@@ -309,3 +309,56 @@ def test_faults_are_checked_when_armed(tmp_path: Path) -> None:
         kube.inject_fault("503")
     with pytest.raises(ValueError, match="lag_s"):
         WatchFaults(lag_s=-1.0)
+
+
+def test_a_node_goes_not_ready_and_back_as_its_kubelet_reports_it(kube: KubeStandin) -> None:
+    from sim.kubeapi.model import KubeError  # appended test: the module's imports stay as they were
+
+    long_ago = "2024-01-01T00:00:00Z"
+
+    def ready_condition(node: dict[str, Any]) -> dict[str, Any]:
+        (ready,) = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
+        return dict(ready)
+
+    def with_transition(node: dict[str, Any], when: str) -> dict[str, Any]:
+        conditions = [
+            {**c, "lastTransitionTime": when, "lastHeartbeatTime": when}
+            for c in node["status"]["conditions"]
+        ]
+        return {**node, "status": {**node["status"], "conditions": conditions}}
+
+    kube.add_node(with_transition(make_node("n1"), long_ago))
+    rv = kube.resource_version
+    with kube.api_client() as api, _watch_lines(kube, f"resourceVersion={rv}") as (_, lines):
+        core = client.CoreV1Api(api)
+        stored = kube.set_node_ready("n1", False)
+        event = _next(lines)[1]
+        assert event["type"] == "MODIFIED"
+        down = ready_condition(event["object"])
+        assert down == ready_condition(stored)
+        assert (down["status"], down["reason"]) == ("False", "KubeletNotReady")
+        assert down["message"].startswith("PLEG is not healthy")
+        assert down["lastTransitionTime"] != long_ago != down["lastHeartbeatTime"]
+        (got,) = [c for c in core.read_node("n1").status.conditions if c.type == "Ready"]
+        assert (got.status, got.reason) == ("False", "KubeletNotReady")
+        # The rest of the node is as it was.
+        assert event["object"]["status"]["capacity"] == make_node("n1")["status"]["capacity"]
+        # Reported again with the same status: a heartbeat, the transition time kept.
+        kube.update("nodes", with_transition(stored, long_ago))
+        assert _next(lines)[1]["type"] == "MODIFIED"
+        kube.set_node_ready("n1", False)
+        again = ready_condition(_next(lines)[1]["object"])
+        assert again["status"] == "False"
+        assert again["lastTransitionTime"] == long_ago != again["lastHeartbeatTime"]
+        kube.set_node_ready("n1", True)
+        event = _next(lines)[1]
+        assert event["type"] == "MODIFIED"
+        up = ready_condition(event["object"])
+        assert (up["status"], up["reason"]) == ("True", "KubeletReady")
+        assert up["message"] == "kubelet is posting ready status"
+        assert up["lastTransitionTime"] != long_ago
+        (got,) = [c for c in core.read_node("n1").status.conditions if c.type == "Ready"]
+        assert got.status == "True"
+    with pytest.raises(KubeError) as missing:
+        kube.set_node_ready("nope", True)
+    assert missing.value.code == 404

@@ -433,6 +433,41 @@ class KubeStandin:
     def remove_node(self, name: str) -> None:
         self._delete(BY_PATH["", "v1", "nodes"], "", name, "Orphan")
 
+    def set_node_ready(self, name: str, ready: bool) -> Obj:
+        """Writes the node's Ready condition as its kubelet does (heartbeat now; transition
+        time now only when the status changes), as a status update watches see as MODIFIED;
+        returns the stored node. `KubeError` 404 for an unknown node."""
+        res = BY_PATH["", "v1", "nodes"]
+        with self._lock:
+            node = self.get("nodes", name)
+            if node is None:
+                raise not_found(res, name)
+            status = node.get("status") or {}
+            conditions = list(status.get("conditions") or [])
+            found = [i for i, c in enumerate(conditions) if c.get("type") == "Ready"]
+            old = conditions[found[0]] if found else {}
+            wanted = "True" if ready else "False"
+            now = timestamp_now()
+            condition = {
+                "type": "Ready",
+                "status": wanted,
+                "reason": "KubeletReady" if ready else "KubeletNotReady",
+                "message": "kubelet is posting ready status"
+                if ready
+                else "PLEG is not healthy: pleg was last seen active 3m0s ago; threshold is 3m0s",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": old.get("lastTransitionTime", now)
+                if old.get("status") == wanted
+                else now,
+            }
+            if found:
+                conditions[found[0]] = condition
+            else:
+                conditions.append(condition)
+            return self._replace(
+                res, "", name, {"status": {**status, "conditions": conditions}}, "status"
+            )
+
     def add_pod(self, pod: Obj) -> Obj:
         """Adds or replaces a pod (see `make_pod`); its namespace must exist."""
         return self._put("pods", pod, create=False)

@@ -214,3 +214,22 @@ async def test_a_client_that_gives_up_resets_the_workers_side_too() -> None:
         assert h.worker_conn.statistics().open_streams == 0
         answer = await h.via_owner.call("GET", "/v1/hello", response_type=dict)
         assert answer == {"hello": ""}
+
+
+async def test_a_worker_connection_lost_mid_answer_resets_the_clients_stream_cleanly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The worker's tunnel breaks while the owner relays its answer: the client's stream is
+    reset, as a direct one would be, and the owner's handler does not fail."""
+    async with hop() as h:
+        response = await h.via_owner.open("GET", "/v1/lines")
+        assert await response.stream.receive_some() == b"first\n"
+        await h.worker_conn.aclose()  # the tunnel is cut
+        with pytest.raises(trio.BrokenResourceError):
+            await response.stream.receive_some()
+        await trio.testing.wait_all_tasks_blocked()
+        # The connection to the owner goes on (only that stream was reset).
+        with pytest.raises(ApiError) as refused:
+            await h.via_owner.call("GET", "/v1/hello", response_type=dict)
+        assert refused.value.code is ErrorCode.UNAVAILABLE
+    assert not [r for r in caplog.records if "handler failed" in r.getMessage()]

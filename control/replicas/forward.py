@@ -161,8 +161,11 @@ async def relay(inbound: H2Stream, worker: WorkerClient, token: str) -> None:
                 # reset now changes nothing. (A CONNECT stream's other direction goes on
                 # until it ends too: a byte stream may be half-closed.)
                 nursery.cancel_scope.cancel()
-    except StreamError as exc:
-        code = exc.error_code if isinstance(exc, StreamReset) else h2.errors.ErrorCodes.CANCEL
+    except* StreamError as group:
+        # The worker's side broke (its tunnel cut, the stream reset): so does the client's,
+        # with the same code, as a direct request's would.
+        first = group.exceptions[0]
+        code = first.error_code if isinstance(first, StreamReset) else h2.errors.ErrorCodes.CANCEL
         with contextlib.suppress(StreamError, trio.BrokenResourceError):
             await inbound.reset(code)
         with contextlib.suppress(StreamError, trio.BrokenResourceError):

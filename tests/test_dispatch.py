@@ -1,13 +1,16 @@
 """The dispatcher's pure decisions: which workers take tasks and with how much free, what a
 container's end means for its task, how much of a log is kept; the task routes' input checks;
-and how a stopping dispatcher bounds the clean-ups under way."""
+how a stopping dispatcher bounds the clean-ups under way; and how a restore's snapshot copy
+rides out a holder, or its own worker, going away."""
 
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -23,6 +26,7 @@ from control.tasks.dispatch import (
     STOP_GRACE_S,
     Dispatcher,
     Hold,
+    WorkerLost,
     capacities,
     is_ready,
     keep_tail,
@@ -176,3 +180,90 @@ async def test_a_stopping_dispatcher_cuts_short_a_clean_up_that_cannot_reach_its
         assert trio.current_time() - asked_at == pytest.approx(STOP_GRACE_S)
         assert STOP_GRACE_S < CLEANUP_S
         nursery.cancel_scope.cancel()
+
+
+class _Holder:
+    """A worker's object routes as `_bring_snapshot` uses them: `breaks` makes a copy from it
+    stop halfway (it went away), `down` makes every call fail as an unreachable worker's."""
+
+    def __init__(self, name: str, objects: dict[str, bytes], *, breaks: bool = False) -> None:
+        self.name = name
+        self.objects = objects
+        self.breaks = breaks
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise ApiError(ErrorCode.UNAVAILABLE, f"worker {self.name} unreachable: reset")
+
+    async def has_object(self, digest: str) -> int | None:
+        self._check()
+        data = self.objects.get(digest)
+        return None if data is None else len(data)
+
+    async def get_object(self, digest: str) -> AsyncIterator[bytes]:
+        self._check()
+        data = self.objects[digest]
+        yield data[: len(data) // 2]
+        if self.breaks:
+            raise ApiError(ErrorCode.UNAVAILABLE, f"worker {self.name} unreachable: reset")
+        yield data[len(data) // 2 :]
+
+    async def put_object(self, digest: str, chunks: AsyncIterator[bytes], size: int) -> None:
+        self._check()
+        body = b"".join([chunk async for chunk in chunks])
+        if self.breaks:
+            self.down = True
+            raise ApiError(ErrorCode.UNAVAILABLE, f"worker {self.name} unreachable: reset")
+        assert len(body) == size
+        self.objects[digest] = body
+
+
+@attrs.frozen
+class _Connected:
+    worker_id: str
+
+    def connected(self) -> bool:
+        return True
+
+
+class _Holders:
+    """The registry's side: every holder connected, reached by name."""
+
+    def __init__(self, *holders: _Holder) -> None:
+        self.holders = {h.name: h for h in holders}
+
+    def entries(self) -> list[_Connected]:
+        return [_Connected(name) for name in self.holders]
+
+    async def client_for(self, worker_id: str) -> _Holder:
+        return self.holders[worker_id]
+
+    def knows(self, worker_id: str) -> bool:
+        return True
+
+
+DIGEST = "sha256:" + "5" * 64
+
+
+async def test_a_snapshot_copy_that_breaks_is_taken_from_the_next_holder() -> None:
+    target = _Holder("w-target", {})
+    holders = _Holders(
+        _Holder("w-broken", {DIGEST: b"snapshot-bytes"}, breaks=True),
+        _Holder("w-good", {DIGEST: b"snapshot-bytes"}),
+        target,
+    )
+    dispatcher = Dispatcher(None, holders, None, lost_after_s=5)  # type: ignore[arg-type]
+    await dispatcher._bring_snapshot(DIGEST, "w-target")
+    assert target.objects == {DIGEST: b"snapshot-bytes"}
+
+
+async def test_a_restore_whose_worker_went_away_mid_copy_is_lost_not_failed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    holders = _Holders(
+        _Holder("w-source", {DIGEST: b"snapshot-bytes"}), _Holder("w-target", {}, breaks=True)
+    )
+    dispatcher = Dispatcher(None, holders, None, lost_after_s=5)  # type: ignore[arg-type]
+    with pytest.raises(WorkerLost, match="w-target was unreachable for 5 s"):
+        await dispatcher._bring_snapshot(DIGEST, "w-target")

@@ -59,6 +59,11 @@ CLEANUP_S = 30.0
 STOP_GRACE_S = 5.0
 """How long a stopping controlplane lets clean-ups under way finish; then they are cut short
 (their containers are removed by the next controlplane's first sync of each worker)."""
+SNAPSHOT_SOURCE_WAIT_S = 10.0
+"""How long a worker holding a snapshot may take to answer before the next holder is asked."""
+NOT_FOLLOWED = "the controlplane failed to follow the task"
+"""An ended task's reason when its watcher broke on something unforeseen (a bug: the log has
+the traceback)."""
 LOG_KEEP_BYTES = 4 << 20
 """The most of an ended task's log the controlplane keeps (its end, in whole lines)."""
 
@@ -621,7 +626,7 @@ class Dispatcher:
                 record.id,
                 extra=_fields(task=record.id, worker=record.worker),
             )
-            await self._settle(record, Failed("the controlplane failed to follow the task"))
+            await self._settle(record, Failed(NOT_FOLLOWED))
         finally:
             for hook in self.on_ended:
                 with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
@@ -789,19 +794,36 @@ class Dispatcher:
         )
 
     async def _bring_snapshot(self, digest: str, worker: str) -> None:
-        """Copy the snapshot layer to `worker` from a worker that holds it, unless it has it."""
+        """Copy the snapshot layer to `worker` from a worker that holds it, unless it has it.
+        A copy that breaks (either worker went away) tries the next holder; when none is
+        left, the task's own worker is asked once more, through `on_worker`, so that a
+        worker that went away loses the task (`WorkerLost`) rather than failing it."""
         if await self.on_worker(worker, lambda c: c.has_object(digest)) is not None:
             return
         for entry in self.registry.entries():
             if entry.worker_id == worker or not entry.connected():
                 continue
-            source = await self.registry.client_for(entry.worker_id)
-            size = await source.has_object(digest)
-            if size is None:
+            try:
+                with trio.fail_after(SNAPSHOT_SOURCE_WAIT_S):
+                    source = await self.registry.client_for(entry.worker_id)
+                    size = await source.has_object(digest)
+                if size is None:
+                    continue
+                target = await self.registry.client_for(worker)
+                async with contextlib.aclosing(source.get_object(digest)) as chunks:
+                    await target.put_object(digest, chunks, size=size)
+            except (ApiError, trio.TooSlowError) as exc:
+                if isinstance(exc, ApiError) and exc.code is not ErrorCode.UNAVAILABLE:
+                    raise
+                log.warning(
+                    "snapshot %s: copying it from %s to %s broke (%s); trying another holder",
+                    digest,
+                    entry.worker_id,
+                    worker,
+                    exc,
+                    extra={"digest": digest, "source_worker": entry.worker_id, "worker": worker},
+                )
                 continue
-            target = await self.registry.client_for(worker)
-            async with contextlib.aclosing(source.get_object(digest)) as chunks:
-                await target.put_object(digest, chunks, size=size)
             log.info(
                 "snapshot %s copied from %s to %s",
                 digest,
@@ -810,6 +832,8 @@ class Dispatcher:
                 extra={"digest": digest, "source_worker": entry.worker_id, "worker": worker},
             )
             return
+        if await self.on_worker(worker, lambda c: c.has_object(digest)) is not None:
+            return  # a copy whose answer was lost went through
         raise ApiError(
             ErrorCode.FAILED_PRECONDITION,
             f"no connected worker holds snapshot {digest}; it went with the worker that took it",

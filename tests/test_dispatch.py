@@ -222,19 +222,21 @@ class _Holder:
 @attrs.frozen
 class _Connected:
     worker_id: str
+    up: bool
 
     def connected(self) -> bool:
-        return True
+        return self.up
 
 
 class _Holders:
-    """The registry's side: every holder connected, reached by name."""
+    """The registry's side: the holders, reached by name; those in `away` not connected."""
 
     def __init__(self, *holders: _Holder) -> None:
         self.holders = {h.name: h for h in holders}
+        self.away: set[str] = set()
 
     def entries(self) -> list[_Connected]:
-        return [_Connected(name) for name in self.holders]
+        return [_Connected(name, name not in self.away) for name in self.holders]
 
     async def client_for(self, worker_id: str) -> _Holder:
         return self.holders[worker_id]
@@ -267,3 +269,34 @@ async def test_a_restore_whose_worker_went_away_mid_copy_is_lost_not_failed(
     dispatcher = Dispatcher(None, holders, None, lost_after_s=5)  # type: ignore[arg-type]
     with pytest.raises(WorkerLost, match="w-target was unreachable for 5 s"):
         await dispatcher._bring_snapshot(DIGEST, "w-target")
+
+
+async def test_a_snapshot_whose_node_has_no_worker_yet_is_copied_once_its_next_one_connects(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    target = _Holder("w-target", {})
+    holders = _Holders(_Holder("w-next", {DIGEST: b"snapshot-bytes"}), target)
+    holders.away.add("w-next")  # the node's next worker, still starting
+    dispatcher = Dispatcher(None, holders, None, lost_after_s=30)  # type: ignore[arg-type]
+
+    async def connects() -> None:
+        await trio.sleep(10)
+        holders.away.clear()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(connects)
+        await dispatcher._bring_snapshot(DIGEST, "w-target")
+    assert target.objects == {DIGEST: b"snapshot-bytes"}
+    assert trio.current_time() >= 10
+
+
+async def test_a_snapshot_no_worker_holds_fails_the_restore_after_a_while_saying_why(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    holders = _Holders(_Holder("w-other", {}), _Holder("w-target", {}))
+    dispatcher = Dispatcher(None, holders, None, lost_after_s=30)  # type: ignore[arg-type]
+    with pytest.raises(ApiError, match="no connected worker has held snapshot") as failed:
+        await dispatcher._bring_snapshot(DIGEST, "w-target")
+    assert failed.value.code is ErrorCode.FAILED_PRECONDITION
+    assert DIGEST in failed.value.message
+    assert trio.current_time() >= 30

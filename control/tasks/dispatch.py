@@ -795,11 +795,28 @@ class Dispatcher:
 
     async def _bring_snapshot(self, digest: str, worker: str) -> None:
         """Copy the snapshot layer to `worker` from a worker that holds it, unless it has it.
-        A copy that breaks (either worker went away) tries the next holder; when none is
-        left, the task's own worker is asked once more, through `on_worker`, so that a
-        worker that went away loses the task (`WorkerLost`) rather than failing it."""
-        if await self.on_worker(worker, lambda c: c.has_object(digest)) is not None:
-            return
+        A copy that breaks (either worker went away) tries the next holder. When no
+        connected worker holds it, it is looked for again for up to `lost_after_s`: the node
+        whose worker took it keeps it on its disk, and that node's next worker will have it.
+        The task's own worker is asked through `on_worker` each time, so that a worker that
+        went away loses the task (`WorkerLost`) rather than failing it."""
+        deadline = trio.current_time() + self.lost_after_s
+        while True:
+            if await self.on_worker(worker, lambda c: c.has_object(digest)) is not None:
+                return
+            if await self._copy_snapshot(digest, worker):
+                return
+            if trio.current_time() >= deadline:
+                raise ApiError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"no connected worker has held snapshot {digest} for "
+                    f"{self.lost_after_s:g} s; it is kept on the node whose worker took it, "
+                    "and no worker there answered",
+                )
+            await trio.sleep(RETRY_EVERY_S)
+
+    async def _copy_snapshot(self, digest: str, worker: str) -> bool:
+        """One look through the connected workers for the snapshot; True once copied."""
         for entry in self.registry.entries():
             if entry.worker_id == worker or not entry.connected():
                 continue
@@ -831,13 +848,8 @@ class Dispatcher:
                 worker,
                 extra={"digest": digest, "source_worker": entry.worker_id, "worker": worker},
             )
-            return
-        if await self.on_worker(worker, lambda c: c.has_object(digest)) is not None:
-            return  # a copy whose answer was lost went through
-        raise ApiError(
-            ErrorCode.FAILED_PRECONDITION,
-            f"no connected worker holds snapshot {digest}; it went with the worker that took it",
-        )
+            return True
+        return False
 
     async def _clean_up(self, record: TaskRecord, *, stop: bool) -> None:
         """Stop the container if asked, keep its log, let the worker delete it. Bounded and

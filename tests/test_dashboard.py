@@ -20,10 +20,13 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from control.api.server import Controlplane, serve_controlplane
 from control.models import TaskRequest, TaskState
 from sim.browser import open_browser_network, spki_pin
 from sim.cluster import Cluster, free_port, open_node_cluster
+from sim.configs import API_TOKEN, control_config, make_pki
 from sim.kubeapi.store import KubeStandin
+from tests.test_pool_reconcile import gpu_node, pool_block
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten
@@ -275,3 +278,56 @@ async def test_metrics_need_an_operator_token_on_the_api_port(cluster: Cluster) 
         response = await client.open("GET", "/metrics")
         body: Any = await response.read()
     assert response.status == 403, body
+
+
+def machine_row(url: str, chromium: str, cert_file: Path, node: str) -> str:
+    """The operator's Machines page, signed in with the operator token: `node`'s row once it
+    shows a failed write."""
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=20_000)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium,
+            args=["--no-sandbox", f"--ignore-certificate-errors-spki-list={spki_pin(cert_file)}"],
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"{url}/ui/signin")
+            page.fill("#token", API_TOKEN)
+            with page.expect_navigation():
+                page.click("button[type=submit]")
+            page.goto(f"{url}/ui/#/machines")
+            row = page.locator(f"tr[data-node='{node}']")
+            expect(row.locator(".node-error")).to_be_visible()
+            return row.inner_text()
+        finally:
+            browser.close()
+
+
+async def test_a_nodes_refused_write_shows_on_its_machine(
+    tmp_path: Path, kube: KubeStandin, nursery: trio.Nursery
+) -> None:
+    """A quota refusing the worker Job of one node: the operator sees why on that node's row."""
+    kube.add_node(gpu_node("node-q"))
+    kube.inject_fault(
+        "status",
+        count=None,
+        verb="create",
+        path_prefix="/apis/batch/v1/namespaces/levers9/jobs",
+        status=403,
+        reason="Forbidden",
+        message="exceeded quota: gpu-quota, requested: nvidia.com/gpu=4, limited: nvidia.com/gpu=0",
+    )
+    pki = make_pki(tmp_path)
+    config = control_config(pki)
+    config = attrs.evolve(config, worker=attrs.evolve(config.worker, pools=(pool_block(kube),)))
+    control: Controlplane = await nursery.start(serve_controlplane, config)
+    (reconciling,) = control.pools
+    with trio.fail_after(30):
+        while "node-q" not in reconciling.status.failed:
+            await reconciling.passes.park()
+    url = f"https://127.0.0.1:{control.port}"
+    async with open_browser_network(url) as chromium:
+        row = await trio.to_thread.run_sync(machine_row, url, chromium, pki.cert_file, "node-q")
+    assert "Last write failed" in row and "exceeded quota: gpu-quota" in row

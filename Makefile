@@ -10,7 +10,7 @@ DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates p
 	runc docker-registry busybox-static nftables criu apache2-utils fuse3 postgresql-15 chromium \
 	buildah mmdebstrap skopeo umoci util-linux
 
-.PHONY: deps install test test-shuffled lint bench demo demo-ha clean images-check images image-test gpu-check
+.PHONY: deps install test test-shuffled lint bench demo demo-ha chaos clean images-check images image-test gpu-check
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -66,6 +66,7 @@ bench: deps install
 	$(BIN)/python -m bench.containers --json bench-results/containers.json
 	$(BIN)/python -m bench.volumes --json bench-results/volumes.json
 	$(BIN)/python -m bench.reconcile --json bench-results/reconcile.json
+	$(BIN)/python -m bench.watchfaults --json bench-results/watchfaults.json
 	$(BIN)/python -m bench.e2e --json bench-results/e2e.json
 	$(BIN)/python -m bench.join --json bench-results/join.json
 	$(BIN)/python -m bench.floods --json bench-results/floods.json
@@ -98,6 +99,16 @@ demo: deps install
 # Three controlplane replicas over PostgreSQL, the one holding a running task's worker killed.
 demo-ha: deps install
 	$(BIN)/python -m sim demo-ha
+
+# The seeded fault campaign (sim/chaos): `make chaos CHAOS_SEED=7 CHAOS_MINUTES=30` runs the
+# faults seed 7 draws for 30 minutes; it fails when any invariant was violated.
+# bench-results/chaos.json keeps the report.
+CHAOS_SEED ?= 1
+CHAOS_MINUTES ?= 5
+chaos: deps install
+	@mkdir -p bench-results
+	$(BIN)/python -m sim chaos --seed $(CHAOS_SEED) --minutes $(CHAOS_MINUTES) \
+	  --json bench-results/chaos.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -5,6 +5,10 @@
   endpoint; it ends with the dashboard's address, and `--keep` keeps it up until Ctrl-C.
 - `python -m sim demo-ha` (`make demo-ha`): three controlplane replicas over PostgreSQL behind
   one Service, and the one holding a running task's worker killed; the task goes on.
+- `python -m sim chaos [--seed N] [--minutes M] [--json FILE] [--kinds K,...]` (`make chaos`):
+  the seeded fault campaign over the whole installation (`sim.chaos.campaign`); it prints faults
+  by kind with their recovery times, tasks by end state and every invariant violation, and
+  exits 1 if there was one.
 - `python -m sim cluster [--nodes N] [--pods-per-node M] [--dir DIR]` serves the Kubernetes
   API stand-in with N eight-card GPU nodes over TLS on loopback, writes a kubeconfig and
   serves until Ctrl-C, for a `kubectl` session or a controlplane of your own.
@@ -74,11 +78,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="three controlplane replicas over PostgreSQL, one killed mid-task "
         "(what `make demo-ha` runs)",
     )
+    commands.add_parser(
+        "chaos",
+        add_help=False,
+        help="the seeded fault campaign (what `make chaos` runs; `chaos --help` for its options)",
+    )
     cluster = commands.add_parser("cluster", help="serve the Kubernetes API stand-in")
     cluster.add_argument("--nodes", type=int, default=2, help="GPU nodes (8 cards each)")
     cluster.add_argument("--pods-per-node", type=int, default=0, help="neighbour pods per node")
     cluster.add_argument("--dir", type=Path, help="where to keep the kubeconfig and certificates")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "chaos":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     missing = _missing_extras()
     if missing:
         print(
@@ -91,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sim.demo import main as demo
 
         return demo(keep=args.keep)
+    if args.command == "chaos":
+        from sim.chaos.campaign import main as chaos
+
+        return chaos(rest)
     if args.command == "demo-ha":
         from sim.demo_ha import main as demo_ha
 

@@ -191,12 +191,13 @@ async def open_replicated_cluster(
     lease_s: float = 3.0,
     worker_tokens: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
+    buckets: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> AsyncIterator[ReplicatedCluster]:
     """`replicas` controlplane processes over the PostgreSQL `database` block (url, password),
     behind one Service; the nodes' workers come up through it, and so may workers started
     outside any pool with `worker_tokens` (worker id → token, in the private values).
-    `settings` are more of the values' `config:` (e.g. `connections`). Everything stops when
-    the block ends."""
+    `settings` are more of the values' `config:` (e.g. `connections`), `buckets` each
+    workspace's buckets (workspace → bucket blocks). Everything stops when the block ends."""
     root.mkdir(parents=True, exist_ok=True)
     pki = make_pki(root)
     tokens = {"team-a": secrets.token_urlsafe(24), "team-b": secrets.token_urlsafe(24)}
@@ -231,6 +232,7 @@ async def open_replicated_cluster(
             operator_token,
             lost_after_s=lost_after_s,
             database_block={"url": database["url"]},
+            buckets=buckets,
         )
         values["config"]["leaderElection"] = {
             "enabled": True,

@@ -1,0 +1,1 @@
+"""The seeded fault campaign over the loopback installation."""

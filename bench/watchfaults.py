@@ -20,12 +20,10 @@ lagging watch, and how soon a cache whose watches do not stream is found.
 from __future__ import annotations
 
 import argparse
-import base64
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import attrs
 import trio
@@ -34,14 +32,15 @@ from bench.report import Results, publish, ratios_of
 from control.kube.caches import Clusters
 from control.kube.expectations import EXPECTATION_TIMEOUT_S
 from control.kube.loop import PoolReconciler
+from control.kube.planner import GENERATION_LABEL
 from control.kube.pools import load_pools
 from control.registry import WorkerRegistry
 from sim.kubeapi.http import start_kube_standin
-from sim.kubeapi.objects import job_node, make_node
 from sim.kubeapi.store import KubeStandin, WatchFaults
+from tests.test_pool_reconcile import gpu_node, jobs_created, pool_block
+from tests.test_reconcile_faults import schedule_pods_of_jobs
 
 LAGS_S = (0.0, 0.8, 3.0, 5.0)
-LABEL = "levers9.dev/bench-pool"
 TARGET = "targets: duplicate_jobs_lag_* = 0 at every lag up to 5 s; stale_detect_periods_* <= 2"
 
 
@@ -63,27 +62,11 @@ def _say(message: str) -> None:
     print(f"bench.watchfaults: {message}", flush=True)
 
 
-def _block(kube: KubeStandin) -> dict[str, Any]:
-    return {
-        "name": "bench",
-        "provider": "kubernetes",
-        "kubernetes": {
-            "flavor": "generic",
-            "endpoint": kube.url,
-            "caData": base64.b64encode(kube.ca_pem).decode(),
-            "credentials": {"token": kube.token},
-            "image": "registry.example.test/levers9/worker:1",
-            "selector": {LABEL: "gpu"},
-            "reconcileSeconds": 0.5,
-        },
-    }
-
-
 @asynccontextmanager
 async def _pool(
     kube: KubeStandin, period_s: float, *, expectation_timeout_s: float = EXPECTATION_TIMEOUT_S
 ) -> AsyncIterator[PoolReconciler]:
-    pool = load_pools([_block(kube)]).pools[0]
+    pool = load_pools([pool_block(kube, reconcileSeconds=0.5)]).pools[0]
     async with trio.open_nursery() as nursery:
         registry = WorkerRegistry({}, nursery)
         async with Clusters(nursery, bookmark_period_s=period_s).use(pool) as cluster:
@@ -99,30 +82,8 @@ async def _pool(
         nursery.cancel_scope.cancel()
 
 
-def _kubelet(kube: KubeStandin) -> None:
-    """Every Job's pod runs on its node, or waits while a worker of ours holds the cards."""
-
-    def run(server: KubeStandin, job: dict[str, Any]) -> None:
-        node = job_node(job)
-        taken = any(
-            pod["spec"].get("nodeName") == node and pod["status"].get("phase") == "Running"
-            for pod in server.pods(job["metadata"]["namespace"])
-        )
-        server.run_job_pod(job, phase="Pending" if taken else "Running")
-
-    kube.on_job_created(run)
-
-
-def _creates(kube: KubeStandin) -> int:
-    return sum(
-        1
-        for r in kube.requests
-        if r.verb == "create" and r.path.endswith("/jobs") and r.status < 300
-    )
-
-
 def _add_nodes(kube: KubeStandin, count: int) -> None:
-    kube.add_nodes(make_node(f"node-{i}", gpus=4, labels={LABEL: "gpu"}) for i in range(count))
+    kube.add_nodes(gpu_node(f"node-{i}") for i in range(count))
 
 
 async def duplicates_at_lag(workdir: Path, size: Size, lag_s: float, *, expectations: bool) -> int:
@@ -130,13 +91,13 @@ async def duplicates_at_lag(workdir: Path, size: Size, lag_s: float, *, expectat
     try:
         kube = running.kube
         kube.bookmark_interval_s = size.period_s
-        _kubelet(kube)
+        schedule_pods_of_jobs(kube)
         kube.set_watch_faults(WatchFaults(lag_s=lag_s))
         timeout = EXPECTATION_TIMEOUT_S if expectations else 0.0
         async with _pool(kube, size.period_s, expectation_timeout_s=timeout):
             _add_nodes(kube, size.nodes)
             await trio.sleep(lag_s + size.settle_s)
-        return _creates(kube) - size.nodes
+        return jobs_created(kube) - size.nodes
     finally:
         running.stop()
 
@@ -153,7 +114,7 @@ async def stale_detection(workdir: Path, size: Size, fault: str) -> tuple[float,
     try:
         kube = running.kube
         kube.bookmark_interval_s = size.period_s
-        _kubelet(kube)
+        schedule_pods_of_jobs(kube)
         _add_nodes(kube, 2)
         async with _pool(kube, size.period_s) as r:
             with trio.fail_after(60):
@@ -176,13 +137,13 @@ async def generation_climb(workdir: Path, size: Size) -> int:
     try:
         kube = running.kube
         kube.bookmark_interval_s = size.period_s
-        _kubelet(kube)
+        schedule_pods_of_jobs(kube)
         async with _pool(kube, size.period_s):
             kube.set_watch_faults(WatchFaults(end_at_once=True))
             _add_nodes(kube, size.nodes)
             await trio.sleep(size.window_s)
         generations = [
-            int(job["metadata"]["labels"].get("levers9.dev/generation", "0")) for job in kube.jobs()
+            int(job["metadata"]["labels"].get(GENERATION_LABEL, "0")) for job in kube.jobs()
         ]
         return max(generations, default=0)
     finally:

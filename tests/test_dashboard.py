@@ -20,13 +20,13 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from control.api.server import Controlplane, serve_controlplane
 from control.models import TaskRequest, TaskState
 from sim.browser import open_browser_network, spki_pin
 from sim.cluster import Cluster, free_port, open_node_cluster
-from sim.configs import API_TOKEN, control_config, make_pki
+from sim.configs import API_TOKEN
 from sim.kubeapi.store import KubeStandin
-from tests.test_pool_reconcile import gpu_node, pool_block
+from tests.test_pool_reconcile import gpu_node, serve_pool
+from tests.test_reconcile_faults import JOBS, refuse_creates
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten
@@ -310,20 +310,8 @@ async def test_a_nodes_refused_write_shows_on_its_machine(
 ) -> None:
     """A quota refusing the worker Job of one node: the operator sees why on that node's row."""
     kube.add_node(gpu_node("node-q"))
-    kube.inject_fault(
-        "status",
-        count=None,
-        verb="create",
-        path_prefix="/apis/batch/v1/namespaces/levers9/jobs",
-        status=403,
-        reason="Forbidden",
-        message="exceeded quota: gpu-quota, requested: nvidia.com/gpu=4, limited: nvidia.com/gpu=0",
-    )
-    pki = make_pki(tmp_path)
-    config = control_config(pki)
-    config = attrs.evolve(config, worker=attrs.evolve(config.worker, pools=(pool_block(kube),)))
-    control: Controlplane = await nursery.start(serve_controlplane, config)
-    (reconciling,) = control.pools
+    refuse_creates(kube, JOBS, "exceeded quota: gpu-quota, requested: nvidia.com/gpu=4")
+    control, reconciling, pki = await serve_pool(kube, tmp_path, nursery)
     with trio.fail_after(30):
         while "node-q" not in reconciling.status.failed:
             await reconciling.passes.park()

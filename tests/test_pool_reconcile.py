@@ -30,7 +30,7 @@ from control.kube.caches import Clusters
 from control.kube.loop import PoolReconciler
 from control.kube.pools import load_pools
 from control.registry import WorkerRegistry
-from sim.configs import API_TOKEN, control_config, make_pki
+from sim.configs import API_TOKEN, Pki, control_config, make_pki
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
 
@@ -283,13 +283,10 @@ async def test_a_bad_token_fails_the_pass_with_the_reason_logged_once(
     assert message.count("pool gpu") == 1
 
 
-async def test_machine_list_through_the_controlplane_and_the_cli(
-    kube: KubeStandin, tmp_path: Path, nursery: trio.Nursery, capsys: pytest.CaptureFixture[str]
-) -> None:
-    kube.add_node(
-        gpu_node("node-7", labels={"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"})
-    )
-    kube.add_pod(make_pod("neighbour", "node-7", gpu_limit=1))
+async def serve_pool(
+    kube: KubeStandin, tmp_path: Path, nursery: trio.Nursery
+) -> tuple[Controlplane, PoolReconciler, Pki]:
+    """A controlplane serving the one pool of `pool_block`, once its first pass is done."""
     pki = make_pki(tmp_path)
     config = control_config(pki)
     config = attrs.evolve(config, worker=attrs.evolve(config.worker, pools=(pool_block(kube),)))
@@ -298,6 +295,17 @@ async def test_machine_list_through_the_controlplane_and_the_cli(
     with trio.fail_after(20):
         while reconciling.status.passed_at is None:
             await reconciling.passes.park()
+    return control, reconciling, pki
+
+
+async def test_machine_list_through_the_controlplane_and_the_cli(
+    kube: KubeStandin, tmp_path: Path, nursery: trio.Nursery, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kube.add_node(
+        gpu_node("node-7", labels={"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"})
+    )
+    kube.add_pod(make_pod("neighbour", "node-7", gpu_limit=1))
+    control, _, pki = await serve_pool(kube, tmp_path, nursery)
     args = [
         "--controlplane",
         f"https://127.0.0.1:{control.port}",

@@ -49,6 +49,32 @@ def schedule_pods_of_jobs(kube: KubeStandin) -> None:
     kube.on_job_created(hook)
 
 
+def refuse_creates(
+    kube: KubeStandin,
+    plural_path: str,
+    message: str,
+    *,
+    status: int = 403,
+    name_prefix: str | None = None,
+) -> None:
+    """Every create under `plural_path` (e.g. /apis/batch/v1/namespaces/levers9/jobs) is
+    answered with `status` (Forbidden: a quota; 422: Invalid) until `clear_faults`."""
+    reason = "Forbidden" if status == 403 else "Invalid"
+    kube.inject_fault(
+        "status",
+        count=None,
+        verb="create",
+        path_prefix=plural_path,
+        status=status,
+        reason=reason,
+        message=message,
+        name_prefix=name_prefix,
+    )
+
+
+JOBS = "/apis/batch/v1/namespaces/levers9/jobs"
+
+
 def jobs_per_node(kube: KubeStandin) -> Counter[str]:
     return Counter(str(job_node(job)) for job in kube.jobs())
 
@@ -118,15 +144,8 @@ async def test_one_nodes_refused_create_is_its_own_and_retried(kube: KubeStandin
     for name in NODES:
         kube.add_node(gpu_node(name))
     refused = job_name("gpu", "node-2", 0)
-    kube.inject_fault(
-        "status",
-        count=None,
-        verb="create",
-        name_prefix=refused,
-        status=422,
-        reason="Invalid",
-        message=f'Job.batch "{refused}" is invalid: spec.template: Invalid value',
-    )
+    message = f'Job.batch "{refused}" is invalid: spec.template: Invalid value'
+    refuse_creates(kube, JOBS, message, status=422, name_prefix=refused)
     async with reconciler(kube, clock=time.time, reconcileSeconds=0.2) as r:
         await until(r, lambda: "node-2" in r.status.failed and len(kube.jobs()) == 2)
         assert set(jobs_per_node(kube)) == {"node-1", "node-3"}
@@ -153,16 +172,7 @@ async def test_a_quota_refusing_creates_does_not_stop_a_delete(kube: KubeStandin
     kube.add_node(gpu_node("node-1"))
     async with reconciler(kube, clock=time.time, reconcileSeconds=0.2) as r:
         await until(r, lambda: len(kube.jobs()) == 1)
-        kube.inject_fault(
-            "status",
-            count=None,
-            verb="create",
-            path_prefix="/apis/batch/v1/namespaces/levers9/jobs",
-            status=403,
-            reason="Forbidden",
-            message="exceeded quota: gpu-quota, requested: nvidia.com/gpu=4, used: "
-            "nvidia.com/gpu=4, limited: nvidia.com/gpu=4",
-        )
+        refuse_creates(kube, JOBS, "exceeded quota: gpu-quota, requested: nvidia.com/gpu=4")
         kube.add_node(gpu_node("node-2"))
         kube.update("nodes", gpu_node("node-1", unschedulable=True))
         # node-1's worker goes although node-2's create is refused (in whichever order).
@@ -176,15 +186,7 @@ async def test_a_job_whose_secret_was_refused_gets_it_once_writes_go_through(
 ) -> None:
     schedule_pods_of_jobs(kube)
     kube.add_node(gpu_node("node-1"))
-    kube.inject_fault(
-        "status",
-        count=None,
-        verb="create",
-        path_prefix="/api/v1/namespaces/levers9/secrets",
-        status=403,
-        reason="Forbidden",
-        message="exceeded quota: secrets",
-    )
+    refuse_creates(kube, "/api/v1/namespaces/levers9/secrets", "exceeded quota: secrets")
     async with reconciler(kube, clock=time.time, reconcileSeconds=0.2) as r:
         await until(r, lambda: "node-1" in r.status.failed and len(kube.jobs()) == 1)
         assert kube.secrets("levers9") == []

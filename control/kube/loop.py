@@ -521,17 +521,9 @@ class PoolReconciler:
             )
 
     def _key_failed(self, node: str, exc: KubeError) -> None:
-        failure = self.failures.get(node)
-        if failure is None:
-            failure = self.failures[node] = KeyFailure(error=exc.message, retry_at=0.0)
-            log.warning(
-                "pool %s: node %s: %s",
-                self.settings.name,
-                node,
-                exc.message,
-                extra={"pool": self.settings.name, "node": node, "error": exc.code.name},
-            )
-        elif failure.error != exc.message:
+        failure = self.failures.setdefault(node, KeyFailure(error="", retry_at=0.0))
+        if failure.error != exc.message:
+            # Once per distinct failure of the node, not once per retry.
             failure.error = exc.message
             log.warning(
                 "pool %s: node %s: %s",

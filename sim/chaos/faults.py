@@ -198,6 +198,7 @@ async def _starting_and_running(client: ControlClient) -> Sequence[_Seen]:
             container=v.container_state,
             pulled=(v.pull.done_bytes if v.pull is not None else None),
             snapshot=v.snapshot is not None,
+            fresh="/chaos/fresh-" in v.image,
             volumes=bool(v.command and "/data/" in " ".join(v.command)),
         )
         for v in views
@@ -213,6 +214,8 @@ class _Seen:
     pulled: int | None
     snapshot: bool
     volumes: bool
+    fresh: bool
+    """Its image is one no node had: while the registry is held mid-blob, it is pulling."""
 
 
 def _first(seen: Sequence[_Seen], test: Callable[[_Seen], bool]) -> str | None:
@@ -220,7 +223,9 @@ def _first(seen: Sequence[_Seen], test: Callable[[_Seen], bool]) -> str | None:
 
 
 _PHASES: dict[str, Callable[[Sequence[_Seen]], str | None]] = {
-    "pull": lambda seen: _first(seen, lambda s: s.container == "pulling"),
+    # Pull progress is known only to the replica holding the worker; a fresh image's task
+    # starting while the registry holds its blob is pulling, whichever replica answers.
+    "pull": lambda seen: _first(seen, lambda s: s.state == "starting" and s.fresh),
     "ingest": lambda seen: _first(
         seen, lambda s: s.state == "starting" and (s.snapshot or bool(s.pulled))
     ),

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
@@ -147,30 +147,16 @@ class Workload:
         under it (bounded by the caller's deadline); an answer that says the call itself
         cannot be done (the task ended, say) is raised."""
         while True:
-            try:
+            with _riding_out():
                 async with self._client(replica=replica) as client:
                     return await call(client)
-            except BaseExceptionGroup as group:
-                _, lasting = group.split(_transient)
-                if lasting is not None:
-                    raise lasting from None
-            except Exception as exc:
-                if not _transient(exc):
-                    raise
             await trio.sleep(CALL_RETRY_S)
 
     async def _create(self, kind: str, request: TaskRequest) -> TaskTrack | None:
         view: TaskView | None = None
-        try:
+        with _riding_out():
             async with self._client() as client:
                 view = await client.create_task(request)
-        except BaseExceptionGroup as group:
-            _, lasting = group.split(_transient)
-            if lasting is not None:
-                raise lasting from None
-        except Exception as exc:
-            if not _transient(exc):
-                raise
         if view is None:
             # The answer was lost: the task may exist. A user would look, not resubmit.
             self.lost_creates += 1
@@ -260,19 +246,12 @@ class Workload:
         while True:
             lines: list[str] = []
             streams.append(lines)
-            try:
+            with _riding_out():
                 async with self._client(replica=replica) as client:
                     async for line in client.task_logs(track.id, follow=True):
                         lines.append(line.text)
                 track.complete_streams[name] = len(streams) - 1
                 return
-            except BaseExceptionGroup as group:
-                _, lasting = group.split(_transient)
-                if lasting is not None:
-                    raise lasting from None
-            except Exception as exc:
-                if not _transient(exc):
-                    raise
             if track.end is not None:
                 return
             # The replica went away: the user follows again, through the Service.
@@ -397,6 +376,21 @@ async def _ignore(channel: int, data: bytes) -> None:
 
 
 RETRY_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED})
+
+
+@contextlib.contextmanager
+def _riding_out() -> Iterator[None]:
+    """The block's transient failures (`_transient`) are swallowed, as a user who runs the
+    command again would; anything else (a group holding anything else) is raised."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        _, lasting = group.split(_transient)
+        if lasting is not None:
+            raise lasting from None
+    except Exception as exc:
+        if not _transient(exc):
+            raise
 
 
 def _transient(exc: BaseException) -> bool:

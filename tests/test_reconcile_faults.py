@@ -8,16 +8,20 @@ pass, is shown on that node, and is retried on its own."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
+from control.cli.main import main as cli_main
 from control.kube.loop import settings_of
 from control.kube.planner import job_manifest, job_name, token_secret_name
 from control.kube.pools import load_pools
+from sim.configs import API_TOKEN
 from sim.kubeapi.objects import job_node
 from sim.kubeapi.store import KubeStandin, WatchFaults
 from tests.test_pool_reconcile import (
@@ -26,6 +30,7 @@ from tests.test_pool_reconcile import (
     jobs_created,
     pool_block,
     reconciler,
+    serve_pool,
     until,
 )
 
@@ -197,3 +202,35 @@ async def test_a_job_whose_secret_was_refused_gets_it_once_writes_go_through(
     assert secret["metadata"]["name"] == token_secret_name(job["metadata"]["name"])
     assert secret["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     assert jobs_created(kube) == 1
+
+
+async def test_machine_list_names_a_node_whose_write_was_refused(
+    kube: KubeStandin,
+    tmp_path: Path,
+    nursery: trio.Nursery,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    kube.add_node(gpu_node("node-q"))
+    refuse_creates(kube, JOBS, "exceeded quota: gpu-quota, requested: nvidia.com/gpu=4")
+    control, reconciling, pki = await serve_pool(kube, tmp_path, nursery)
+    with trio.fail_after(30):
+        while "node-q" not in reconciling.status.failed:
+            await reconciling.passes.park()
+    args = [
+        "--controlplane",
+        f"https://127.0.0.1:{control.port}",
+        "--token",
+        API_TOKEN,
+        "--ca",
+        str(pki.ca_file),
+        "machine",
+        "list",
+    ]
+    assert await trio.to_thread.run_sync(cli_main, [*args, "--json"]) == 0
+    (machine,) = json.loads(capsys.readouterr().out)
+    assert "exceeded quota: gpu-quota" in machine["error"]
+    assert await trio.to_thread.run_sync(cli_main, args) == 0
+    printed = capsys.readouterr()
+    assert "node-q" in printed.out
+    assert "pool gpu: node node-q: last write failed: " in printed.err
+    assert "exceeded quota: gpu-quota" in printed.err

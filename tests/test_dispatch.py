@@ -32,7 +32,7 @@ from control.tasks.dispatch import (
     keep_tail,
     outcome,
 )
-from control.tasks.store import Exited, Failed, TaskRecord, TaskSpec
+from control.tasks.store import Exited, Failed, Start, TaskRecord, TaskSpec
 from control.workspaces import Workspaces
 
 NOW = 1_000.0
@@ -300,3 +300,21 @@ async def test_a_snapshot_no_worker_holds_fails_the_restore_after_a_while_saying
     assert failed.value.code is ErrorCode.FAILED_PRECONDITION
     assert DIGEST in failed.value.message
     assert trio.current_time() >= 30
+
+
+async def test_a_worker_that_never_answers_a_create_loses_the_task_with_its_reason(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Seen in a chaos campaign: a worker killed while its task's container was created made
+    the task 'failed: the controlplane failed to follow the task' (the reason for a bug): the
+    loss came out of the pull-progress nursery as a group the watcher did not expect."""
+    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
+        registry = WorkerRegistry({"w1": "token"}, nursery)  # known, never connects
+        dispatcher = Dispatcher(store, registry, Workspaces(()), lost_after_s=5)
+        created = await store.create("a", TaskSpec(image="busybox"))
+        placed = await store.apply("a", created.id, Start(worker="w1", node="n1"))
+        await dispatcher._watch(placed, False)
+        ended = await store.get("a", created.id)
+        assert ended.state is TaskState.LOST, ended
+        assert ended.reason == "worker w1 was unreachable for 5 s"
+        nursery.cancel_scope.cancel()

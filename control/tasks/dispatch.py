@@ -722,14 +722,17 @@ class Dispatcher:
         except ApiError as exc:
             await self._settle(record, Failed(exc.message))
             return None
-        created: ContainerStatus | ApiError | None = None
+        created: ContainerStatus | ApiError | WorkerLost | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._report_progress, worker, record.id)
             try:
                 created = await self.on_worker(worker, lambda c: self._create(c, spec))
-            except ApiError as exc:
+            except (ApiError, WorkerLost) as exc:
+                # Kept out of the nursery: the watcher tells these apart by their type.
                 created = exc
             nursery.cancel_scope.cancel()
+        if isinstance(created, WorkerLost):
+            raise created
         if isinstance(created, ApiError):
             await self._settle(record, Failed(created.message))
             await self._clean_up(record, stop=False)

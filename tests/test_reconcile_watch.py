@@ -15,7 +15,9 @@ import trio
 
 from control.api.server import Controlplane, serve_controlplane
 from control.cli.main import main as cli_main
+from control.kube.caches import Clusters
 from control.kube.planner import PodFacts
+from control.kube.pools import load_pools
 from sim.configs import API_TOKEN, control_config, make_pki
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
@@ -232,3 +234,50 @@ async def test_a_storm_of_creates_keeps_to_the_pools_request_budget(kube: KubeSt
     assert len(writes) >= 36
     busiest = max(sum(1 for t in writes if start <= t < start + 1.0) for start in writes)
     assert busiest <= 4 + 20 + 1
+
+
+class _CancelAtStep(trio.abc.Instrument):
+    """Cancels `scope` when `task` is about to take its `steps`th step: a pool that stops
+    leading at any moment of taking its caches."""
+
+    def __init__(self, task: trio.lowlevel.Task, scope: trio.CancelScope, steps: int) -> None:
+        self.task, self.scope, self.left = task, scope, steps
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.left -= 1
+            if self.left == 0:
+                self.scope.cancel()
+
+
+async def test_a_pool_that_stops_leading_while_it_takes_its_caches_leaves_them_usable(
+    kube: KubeStandin,
+) -> None:
+    """Seen in a chaos campaign: a pool's leadership flapped while it took its caches, and the
+    next leader's reconciler waited forever for a cache that never ran."""
+    kube.add_node(gpu_node("node-1"))
+    pool = load_pools([pool_block(kube)]).pools[0]
+    # Another pool of the cluster keeps it, and the caches both read, alive throughout.
+    other = attrs.evolve(
+        load_pools([pool_block(kube, selector={"levers9.dev/test-pool": "other"})]).pools[0],
+        name="other",
+    )
+    async with trio.open_nursery() as nursery:
+        clusters = Clusters(nursery)
+        async with clusters.use(other):
+            for steps in range(1, 25):
+                with trio.CancelScope() as scope:
+                    instrument = _CancelAtStep(trio.lowlevel.current_task(), scope, steps)
+                    trio.lowlevel.add_instrument(instrument)
+                    try:
+                        async with clusters.use(pool):
+                            scope.cancel()  # it stops leading now, at the latest
+                            await trio.lowlevel.checkpoint()
+                    finally:
+                        trio.lowlevel.remove_instrument(instrument)
+                with trio.fail_after(10):
+                    async with clusters.use(pool) as cluster:
+                        for cache in cluster.caches.all():
+                            await cache.first_outcome.wait()
+                            assert cache.error is None, (steps, cache.collection)
+        nursery.cancel_scope.cancel()

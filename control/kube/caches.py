@@ -135,7 +135,12 @@ class ClusterCaches:
         if running is None:
             running = _Running(informer, trio.CancelScope())
             self._running[key] = running
-            await self._nursery.start(self._keep, running)
+            try:
+                await self._nursery.start(self._keep, running)
+            except BaseException:
+                # Not started: the next pool to ask starts it again.
+                del self._running[key]
+                raise
         running.users += 1
         return running
 
@@ -380,9 +385,13 @@ class Clusters:
             entry.pools.add(pool.name)
             entry.caches.label = ", ".join(sorted(entry.pools))
             entry.caches.api.relabel(entry.caches.label)
-            caches = await entry.caches.acquire(
-                selector.label_selector(), keys, pool.kubernetes.namespace
-            )
+            # Shielded: the informers are started and counted all or none, so a pool cancelled
+            # here (it stopped leading) leaves no cache half started for the next one to wait
+            # on. It waits for nothing but the informers' starts.
+            with trio.CancelScope(shield=True):
+                caches = await entry.caches.acquire(
+                    selector.label_selector(), keys, pool.kubernetes.namespace
+                )
         try:
             yield PoolCluster(entry.caches.api, caches, entry.caches)
         finally:

@@ -220,12 +220,9 @@ class _Holder:
 
 
 @attrs.frozen
-class _Connected:
+class _Listed:
     worker_id: str
-    up: bool
-
-    def connected(self) -> bool:
-        return self.up
+    connected: bool
 
 
 class _Holders:
@@ -235,8 +232,8 @@ class _Holders:
         self.holders = {h.name: h for h in holders}
         self.away: set[str] = set()
 
-    def entries(self) -> list[_Connected]:
-        return [_Connected(name, name not in self.away) for name in self.holders]
+    def list(self) -> list[_Listed]:
+        return [_Listed(name, name not in self.away) for name in self.holders]
 
     async def client_for(self, worker_id: str) -> _Holder:
         return self.holders[worker_id]

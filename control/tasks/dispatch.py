@@ -819,9 +819,10 @@ class Dispatcher:
             await trio.sleep(RETRY_EVERY_S)
 
     async def _copy_snapshot(self, digest: str, worker: str) -> bool:
-        """One look through the connected workers for the snapshot; True once copied."""
-        for entry in self.registry.entries():
-            if entry.worker_id == worker or not entry.connected():
+        """One look through the connected workers for the snapshot, whichever replica holds
+        each (a client through its owner); True once copied."""
+        for entry in self.registry.list():
+            if entry.worker_id == worker or not entry.connected:
                 continue
             try:
                 with trio.fail_after(SNAPSHOT_SOURCE_WAIT_S):
@@ -833,7 +834,8 @@ class Dispatcher:
                 async with contextlib.aclosing(source.get_object(digest)) as chunks:
                     await target.put_object(digest, chunks, size=size)
             except (ApiError, trio.TooSlowError) as exc:
-                if isinstance(exc, ApiError) and exc.code is not ErrorCode.UNAVAILABLE:
+                gone = (ErrorCode.UNAVAILABLE, ErrorCode.NOT_FOUND)
+                if isinstance(exc, ApiError) and exc.code not in gone:
                     raise
                 log.warning(
                     "snapshot %s: copying it from %s to %s broke (%s); trying another holder",

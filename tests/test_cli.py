@@ -716,7 +716,8 @@ PASSES = (
 
 
 def route_as_it_was(statuses: Sequence[PoolStatus]) -> dict[str, Any]:
-    """`GET /v1/machines` as the route built it by hand before it had models."""
+    """`GET /v1/machines` as the route built it by hand before it had models, with what was
+    added since: each node's last failed write (`error`, null when none)."""
     return {
         "machines": [m.to_json() for status in statuses for m in status.machines],
         "pools": [
@@ -724,7 +725,9 @@ def route_as_it_was(statuses: Sequence[PoolStatus]) -> dict[str, Any]:
                 "pool": status.pool,
                 "passedAt": status.passed_at,
                 "error": status.error,
-                "skipped": [{"node": n.node, "reason": n.reason} for n in status.skipped],
+                "skipped": [
+                    {"node": n.node, "reason": n.reason, "error": None} for n in status.skipped
+                ],
             }
             for status in statuses
         ],

@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 import trio
 
+from agent.wire.signals import run_until_signalled
 from control.kube.planner import job_active
 from control.models import TaskState, TaskView
 from sim.chaos.faults import Injected, Installation, NodeInfo, inject
@@ -702,7 +703,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         def say(text: str) -> None:
             print(text, flush=True)
 
-        outcome = trio.run(run_campaign, campaign, say)
+        outcomes: list[Outcome] = []
+
+        async def campaign_run() -> None:
+            outcomes.append(await run_campaign(campaign, say))
+
+        # SIGTERM or Ctrl-C stops the campaign with everything it started (replicas, agents,
+        # PostgreSQL, the registry) stopped and removed, as the end of a run does.
+        signum = trio.run(run_until_signalled, campaign_run)
+    if not outcomes:
+        print(f"python -m sim chaos: stopped by signal {signum}; nothing is left running")
+        return 128 + signum
+    outcome = outcomes[0]
     print(report(outcome), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import trio
 
 from bench.watchfaults import Size, measure
 
-TINY = Size(nodes=2, period_s=0.5, window_s=3.0, lags_s=(0.0, 1.0), settle_s=2.0)
+TINY = Size(nodes=2, period_s=0.25, window_s=2.0, lags_s=(1.0,), settle_s=1.5)
 
 
 def test_a_tiny_run_reports_every_figure_and_no_duplicate_job(tmp_path: Path) -> None:

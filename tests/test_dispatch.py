@@ -5,19 +5,22 @@ rides out a holder, or its own worker, going away."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
 import trio
 import trio.testing
 
-from agent.api.models import ContainerStatus
+from agent.api.models import ContainerStatus, LogLine
 from agent.wire.errors import ApiError, ErrorCode, dumps, loads
-from control.api.tasks import query_limit, query_states, spec_of, workspace_of
+from agent.wire.service import Request, Router
+from control.api.tasks import add_task_routes, query_limit, query_states, spec_of, workspace_of
 from control.models import TaskRequest, TaskState, TaskView
 from control.registry import WorkerEntry, WorkerRegistry
 from control.tasks.databases import open_task_store
@@ -32,7 +35,17 @@ from control.tasks.dispatch import (
     keep_tail,
     outcome,
 )
-from control.tasks.store import Exited, Failed, Start, TaskRecord, TaskSpec
+from control.tasks.store import (
+    Exited,
+    Failed,
+    Running,
+    Start,
+    TaskEvent,
+    TaskRecord,
+    TaskSpec,
+    TaskStore,
+    TaskStoreError,
+)
 from control.workspaces import Workspaces
 
 NOW = 1_000.0
@@ -315,3 +328,130 @@ async def test_a_worker_that_never_answers_a_create_loses_the_task_with_its_reas
         assert ended.state is TaskState.LOST, ended
         assert ended.reason == "worker w1 was unreachable for 5 s"
         nursery.cancel_scope.cancel()
+
+
+class _Restarting:
+    """The task store while its database restarts: every write answers UNAVAILABLE, as a
+    pooled connection the server closed does, until `back_at` (trio time)."""
+
+    def __init__(self, store: TaskStore, back_at: float) -> None:
+        self.store = store
+        self.back_at = back_at
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def apply(self, workspace: str, task_id: str, event: TaskEvent) -> TaskRecord:
+        if trio.current_time() < self.back_at:
+            self.refused += 1
+            raise TaskStoreError(
+                ErrorCode.UNAVAILABLE,
+                "task database postgresql://db/levers9: server closed the connection "
+                "unexpectedly; retry shortly",
+            )
+        return await self.store.apply(workspace, task_id, event)
+
+
+async def test_a_task_ends_as_it_did_once_its_database_is_back_and_the_dispatcher_goes_on(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Seen in a 35-minute chaos campaign: a PostgreSQL restart while a watcher recorded its
+    task's end made the watcher fail the task with the database's error, whose write failed
+    too, and the replica exited (all three at once, once). The end is written again until the
+    database is back, as it happened."""
+    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
+        registry = WorkerRegistry({"w1": "token"}, nursery)  # known, never connects
+        restarting = _Restarting(store, back_at=trio.current_time() + 20)
+        dispatcher = Dispatcher(restarting, registry, Workspaces(()), lost_after_s=5)  # type: ignore[arg-type]
+        created = await store.create("a", TaskSpec(image="busybox"))
+        placed = await store.apply("a", created.id, Start(worker="w1", node="n1"))
+        await dispatcher._watch(placed, False)  # returns: no error reaches the dispatcher
+        ended = await store.get("a", created.id)
+        assert ended.state is TaskState.LOST, ended
+        assert ended.reason == "worker w1 was unreachable for 5 s"
+        assert restarting.refused > 1
+        assert trio.current_time() >= 20
+
+        other = await store.create("a", TaskSpec(image="busybox"))
+        running = await store.apply("a", other.id, Start(worker="w1", node="n1"))
+        restarting.back_at = trio.current_time() + 3
+        after = await dispatcher._settle(running, Exited(0))
+        assert after is not None and after.state is TaskState.SUCCEEDED
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_watcher_whose_record_cannot_be_written_at_all_stops_alone(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A write the database refuses for good (not UNAVAILABLE) is logged by that task's
+    watcher and goes no further: the dispatcher's other tasks go on."""
+
+    class Refusing(_Restarting):
+        async def apply(self, workspace: str, task_id: str, event: TaskEvent) -> TaskRecord:
+            raise TaskStoreError(ErrorCode.INTERNAL, "task database: value too long")
+
+    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
+        registry = WorkerRegistry({"w1": "token"}, nursery)
+        dispatcher = Dispatcher(Refusing(store, 0.0), registry, Workspaces(()), lost_after_s=5)  # type: ignore[arg-type]
+        created = await store.create("a", TaskSpec(image="busybox"))
+        placed = await store.apply("a", created.id, Start(worker="w1", node="n1"))
+        await dispatcher._watch(placed, False)
+        assert not dispatcher.watching(created.id)
+        nursery.cancel_scope.cancel()
+
+
+class _BrokenFollow:
+    """A worker whose log stream, reached through the replica that owns it, ends with the
+    owner going away after `lines` lines."""
+
+    def __init__(self, lines: int) -> None:
+        self.lines = lines
+
+    def list(self) -> list[_Listed]:
+        return []
+
+    async def client_for(self, worker_id: str) -> _BrokenFollow:
+        return self
+
+    async def container_logs(self, task_id: str, *, follow: bool) -> AsyncIterator[LogLine]:
+        for number in range(1, self.lines + 1):
+            yield LogLine(time="t", stream="stdout", text=f"line-{number}")
+        raise ApiError(ErrorCode.UNAVAILABLE, "worker w1 unreachable from its owner: reset")
+
+
+async def test_a_followed_log_whose_worker_stream_broke_takes_the_rest_from_the_kept_log(
+    tmp_path: Path,
+) -> None:
+    """Seen in a 35-minute chaos campaign: the replica owning a worker went away while another
+    replica relayed a follower's log from it; the task ended before the stream could be opened
+    again, and the follow ended at once without the rest, as if the log were whole, because
+    the log is kept by the task's watcher on another replica a moment after the end."""
+    async with open_task_store(tmp_path / "tasks.db") as store:
+        dispatcher = Dispatcher(store, _BrokenFollow(3), Workspaces(()), lost_after_s=5)  # type: ignore[arg-type]
+        router = Router()
+        add_task_routes(router, dispatcher, None)  # type: ignore[arg-type]
+        created = await store.create("a", TaskSpec(image="busybox"))
+        task = created.id
+        placed = await store.apply("a", task, Start(worker="w1", node="n1"))
+        await store.apply("a", task, Running(cards=()))
+        handler, params = router.resolve("GET", f"/v1/tasks/{task}/logs")
+        request = Request("GET", "", {"follow": "true"}, {}, params, None, principal="ws:a")  # type: ignore[arg-type]
+        response = await handler(request)
+        whole = [dumps(LogLine("t", "stdout", f"line-{n}")) + b"\n" for n in range(1, 6)]
+
+        async def the_other_replica() -> None:
+            # Its watcher records the end, then keeps the log as it cleans up.
+            await trio.sleep(0.3)
+            await store.apply("a", task, Exited(0))
+            await trio.sleep(0.3)
+            await store.save_logs(task, b"".join(whole))
+
+        seen: list[bytes] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(the_other_replica)
+            async with contextlib.aclosing(response.chunks()) as chunks:
+                async for chunk in chunks:
+                    seen.append(chunk)
+        assert b"".join(seen) == b"".join(whole)
+        assert placed.worker == "w1"

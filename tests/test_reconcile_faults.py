@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 import trio
 
+from agent.wire.errors import ErrorCode
 from control.cli.main import main as cli_main
 from control.kube.loop import settings_of
 from control.kube.planner import job_manifest, job_name, token_secret_name
 from control.kube.pools import load_pools
+from control.tasks.store import TaskStoreError
 from sim.configs import API_TOKEN
 from sim.kubeapi.objects import job_node
 from sim.kubeapi.store import KubeStandin, WatchFaults
@@ -234,3 +236,41 @@ async def test_machine_list_names_a_node_whose_write_was_refused(
     assert "node-q" in printed.out
     assert "pool gpu: node node-q: last write failed: " in printed.err
     assert "exceeded quota: gpu-quota" in printed.err
+
+
+async def test_a_gone_worker_whose_tasks_cannot_be_marked_lost_yet_is_told_again_later(
+    kube: KubeStandin,
+) -> None:
+    """Seen in a 35-minute chaos campaign: while PostgreSQL restarted, marking the tasks of a
+    worker whose Job ended lost failed, and the error ended the pool's loop. The pass goes on
+    (the node gets its next worker) and the worker's end is told once the database is back."""
+    schedule_pods_of_jobs(kube)
+    kube.add_node(gpu_node("node-1"))
+    database_back = False
+    told: list[str] = []
+
+    async def worker_gone(name: str, reason: str) -> None:
+        if not database_back:
+            raise TaskStoreError(
+                ErrorCode.UNAVAILABLE,
+                "task database postgresql://db/levers9: server closed the connection "
+                "unexpectedly; retry shortly",
+            )
+        told.append(name)
+
+    async with reconciler(kube, clock=time.time, reconcileSeconds=0.2) as r:
+        r.on_worker_gone = worker_gone
+        await until(r, lambda: len(kube.jobs()) == 1)
+        (first,) = kube.jobs()
+        name = first["metadata"]["name"]
+        kube.patch("jobs", name, {"status": {"failed": 1}}, namespace="levers9")
+        for pod in kube.pods("levers9"):
+            kube.set_pod_phase(pod["metadata"]["name"], "Failed", namespace="levers9")
+        await until(r, lambda: any(j["metadata"]["name"] != name for j in kube.jobs()))
+        passes = r.pass_count
+        await until(r, lambda: r.pass_count >= passes + 2)
+        assert told == []
+        database_back = True
+        await until(r, lambda: told == [name])
+        await until(r, lambda: r.pass_count >= passes + 6)
+    assert told == [name]

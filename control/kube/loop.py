@@ -40,7 +40,7 @@ import attrs
 import trio
 
 from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
-from agent.wire.errors import ErrorCode
+from agent.wire.errors import ApiError, ErrorCode
 from control.kube.adapter import KubeAlreadyExists, KubeApi, KubeError, KubeNotFound
 from control.kube.caches import PoolCaches, PoolCluster
 from control.kube.events import EventRecorder
@@ -118,6 +118,15 @@ class PoolStatus:
     error: str | None = None
     failed: Mapping[str, str] = attrs.field(factory=dict)
     """Nodes whose last write failed, and why; each is retried on its own backoff."""
+
+
+@attrs.frozen
+class _Gone:
+    """Why a worker is gone, and whether the registry is to forget it too (a Job deleted
+    here; the dispatcher forgets one whose Job ended)."""
+
+    reason: str
+    remove: bool = True
 
 
 @attrs.define
@@ -221,6 +230,9 @@ class PoolReconciler:
         self.on_pass = on_pass
         """Told of each pass once it ends: (pool, seconds, whether it succeeded) (metrics)."""
         self._gone: set[str] = set()
+        self._untold: dict[str, _Gone] = {}
+        """Workers gone whose end the registry and the dispatcher have not taken yet (the task
+        database was away); told again at each pass."""
         self.status = PoolStatus(pool=pool.name)
         self.passes = trio.lowlevel.ParkingLot()
         self.pass_count = 0
@@ -330,7 +342,9 @@ class PoolReconciler:
         self.pass_count += 1
         try:
             plan = await self._pass(counts)
-        except KubeError as exc:
+        except ApiError as exc:
+            # The Kubernetes API, or the task database a pass reads tokens from and writes
+            # workers to: a failed pass, shown on the pool and tried again on its backoff.
             fields = {
                 "pool": name,
                 **counts.fields(),
@@ -509,7 +523,7 @@ class PoolReconciler:
                     else:
                         await self._delete(action)
                         counts.jobs_deleted += 1
-            except KubeError as exc:
+            except ApiError as exc:
                 self._key_failed(node, exc)
                 return
         if self.failures.pop(node, None) is not None:
@@ -520,7 +534,7 @@ class PoolReconciler:
                 extra={"pool": self.settings.name, "node": node},
             )
 
-    def _key_failed(self, node: str, exc: KubeError) -> None:
+    def _key_failed(self, node: str, exc: ApiError) -> None:
         failure = self.failures.setdefault(node, KeyFailure(error="", retry_at=0.0))
         if failure.error != exc.message:
             # Once per distinct failure of the node, not once per retry.
@@ -576,12 +590,39 @@ class PoolReconciler:
     async def _note_finished(self, jobs: list[JobFacts]) -> None:
         """A worker whose Job has ended (the agent exited or was killed) is gone: whatever it
         was running is lost."""
+        for name, gone in list(self._untold.items()):
+            await self._tell_gone(name, gone)
         for job in jobs:
-            if job.active or job.name in self._gone:
-                continue
-            self._gone.add(job.name)
-            if self.on_worker_gone is not None:
-                await self.on_worker_gone(job.name, f"its Job {job.name} ended")
+            if not job.active:
+                await self._tell_gone(job.name, _Gone(f"its Job {job.name} ended", remove=False))
+
+    async def _tell_gone(self, name: str, gone: _Gone) -> None:
+        """The registry forgets the worker (`remove`) and the dispatcher marks its tasks lost,
+        once. While the task database cannot take it, the worker is kept in `_untold` and
+        told again at the next pass: a pass goes on, and no task stays on a worker that is
+        gone."""
+        if name in self._gone and not gone.remove:
+            return
+        try:
+            if gone.remove:
+                await self.registry.remove_worker(name)
+            if self.on_worker_gone is not None and name not in self._gone:
+                await self.on_worker_gone(name, gone.reason)
+        except ApiError as exc:
+            if name not in self._untold:
+                log.warning(
+                    "pool %s: worker %s is gone (%s), and its tasks cannot be marked lost yet: "
+                    "%s; trying again at the next pass",
+                    self.settings.name,
+                    name,
+                    gone.reason,
+                    exc.message,
+                    extra={"pool": self.settings.name, "worker": name, "error": exc.code.name},
+                )
+            self._untold[name] = gone
+            return
+        self._untold.pop(name, None)
+        self._gone.add(name)
 
     def _fold_in(self, jobs: list[JobFacts], now: float) -> None:
         """Records for Jobs we did not start in this process (a controlplane restart), and the
@@ -733,10 +774,7 @@ class PoolReconciler:
         except KubeError:
             self.expectations.forget(Expecting.JOB_DELETED, action.name)
             raise
-        await self.registry.remove_worker(action.name)
-        if self.on_worker_gone is not None and action.name not in self._gone:
-            self._gone.add(action.name)
-            await self.on_worker_gone(action.name, f"its Job was deleted ({action.reason})")
+        await self._tell_gone(action.name, _Gone(f"its Job was deleted ({action.reason})"))
         log.info(
             "pool %s: deleted worker %s (%s)",
             self.settings.name,

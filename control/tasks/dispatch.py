@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -29,6 +30,7 @@ import trio
 
 from agent.api.client import WorkerClient
 from agent.api.models import ContainerSpec, ContainerStatus, Resources
+from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
 from agent.wire.errors import ApiError, ErrorCode, dumps
 from control.models import TaskSnapshot, TaskState, TaskView
 from control.registry import WorkerEntry, WorkerRegistry
@@ -43,6 +45,7 @@ from control.tasks.store import (
     Start,
     TaskRecord,
     TaskStore,
+    TaskStoreError,
     TransitionError,
 )
 from control.workspaces import Workspaces
@@ -57,6 +60,8 @@ PROGRESS_IDLE_S = 2.0
 RETRY_EVERY_S = 0.5
 CLEANUP_S = 30.0
 STOP_GRACE_S = 5.0
+STORE_RETRY = Backoff(initial_s=0.2, cap_s=2.0)
+"""How often a watcher writes its task's record again while the task database is away."""
 """How long a stopping controlplane lets clean-ups under way finish; then they are cut short
 (their containers are removed by the next controlplane's first sync of each worker)."""
 SNAPSHOT_SOURCE_WAIT_S = 10.0
@@ -613,20 +618,29 @@ class Dispatcher:
             elif watch.cancelled:
                 await self._clean_up(record, stop=True)
         except WorkerLost as exc:
-            await self._settle(record, Lost(str(exc)))
+            await self._settle_last(record, Lost(str(exc)))
+        except TaskStoreError:
+            # Not the task's failure: the record could not be written (and not because the
+            # database was away; that is waited out).
+            log.exception(
+                "task %s: its record could not be written",
+                record.id,
+                extra=_fields(task=record.id, worker=record.worker),
+            )
+            await self._settle_last(record, Failed(NOT_FOLLOWED))
         except ApiError as exc:
             if exc.code is ErrorCode.NOT_FOUND:
                 event: Failed | Lost = Lost(f"worker {record.worker} no longer has its container")
             else:
                 event = Failed(exc.message)
-            await self._settle(record, event)
+            await self._settle_last(record, event)
         except Exception:
             log.exception(
                 "task %s: watching it failed",
                 record.id,
                 extra=_fields(task=record.id, worker=record.worker),
             )
-            await self._settle(record, Failed(NOT_FOLLOWED))
+            await self._settle_last(record, Failed(NOT_FOLLOWED))
         finally:
             for hook in self.on_ended:
                 with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
@@ -638,10 +652,48 @@ class Dispatcher:
             self.changed()
             self.wake()
 
+    async def _settle_last(self, record: TaskRecord, event: Failed | Lost) -> None:
+        """A watcher's last word: its failure to write is logged, and goes no further (one
+        task's watcher never stops the dispatcher's other tasks)."""
+        try:
+            await self._settle(record, event)
+        except ApiError:
+            log.exception(
+                "task %s: recording that it ended (%s) failed",
+                record.id,
+                event,
+                extra=_fields(task=record.id, worker=record.worker),
+            )
+
+    async def _write(
+        self, record: TaskRecord, event: Exited | Failed | Lost | Running
+    ) -> TaskRecord:
+        """`store.apply`, written again while the task database is away (restarting, failing
+        over: UNAVAILABLE), for as long as it takes: what the worker said is not given up, and
+        a database that went away is not the task's failure."""
+        backoff = BackoffState()
+        waiting = False
+        while True:
+            try:
+                return await self.store.apply(record.workspace, record.id, event)
+            except TaskStoreError as exc:
+                if exc.code is not ErrorCode.UNAVAILABLE:
+                    raise
+                if not waiting:
+                    log.warning(
+                        "task %s: its record cannot be written yet (%s); trying again",
+                        record.id,
+                        exc.message,
+                        extra=_fields(task=record.id, worker=record.worker),
+                    )
+                waiting = True
+            await trio.sleep(next_delay(STORE_RETRY, backoff, random.random()))
+            record_failure(backoff)
+
     async def _settle(self, record: TaskRecord, event: Exited | Failed | Lost) -> TaskRecord | None:
         self._running_records.pop(record.id, None)
         try:
-            after = await self.store.apply(record.workspace, record.id, event)
+            after = await self._write(record, event)
         except TransitionError:
             return None  # cancelled or lost meanwhile
         log.info(
@@ -688,9 +740,7 @@ class Dispatcher:
 
     async def _running(self, record: TaskRecord, status: ContainerStatus) -> None:
         try:
-            running = await self.store.apply(
-                record.workspace, record.id, Running(cards=status.cards)
-            )
+            running = await self._write(record, Running(cards=status.cards))
         except TransitionError:
             return
         self._running_records[record.id] = running

@@ -38,7 +38,7 @@ from agent.wire.service import (
 )
 from control.api.endpoints import EndpointProxy, upstream_target
 from control.models import TaskList, TaskRequest, TaskSnapshot, TaskState, TaskView
-from control.tasks.dispatch import SCHEDULE_EVERY_S, Dispatcher, WorkerLost
+from control.tasks.dispatch import CLEANUP_S, SCHEDULE_EVERY_S, Dispatcher, WorkerLost
 from control.tasks.store import ACTIVE_ON_WORKER, TaskRecord, TaskSpec
 
 log = logging.getLogger("levers9.tasks")
@@ -51,6 +51,12 @@ WATCH_REFRESH_S = 2.0
 reasons change without a record changing."""
 WATCH_COALESCE_S = 0.25
 """After a change, a watch waits this long for the rest of a burst before reading again."""
+
+
+def _log_to_keep(record: TaskRecord) -> bool:
+    """Whether the task's watcher keeps its log as it cleans up: its container ran, and its
+    worker was not lost with it."""
+    return record.running_at is not None and record.state is not TaskState.LOST
 
 
 def workspace_of(request_principal: str) -> str:
@@ -252,12 +258,22 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
 
         async def lines() -> AsyncGenerator[bytes, None]:
             sent = 0
+            whole = False
+            """The worker's stream ran to the end of the container's log: nothing is missing."""
+            kept_by: float | None = None
             while True:
                 record = await store.get(workspace, task_id)
                 if record.state.terminal:
                     kept = await store.logs(workspace, task_id)
-                    if kept is None and dispatcher.watching(task_id):
-                        # Its watcher is still keeping the log; it is there in a moment.
+                    if kept_by is None:
+                        kept_by = trio.current_time() + CLEANUP_S
+                    if kept is None and (
+                        dispatcher.watching(task_id)
+                        or (not whole and _log_to_keep(record) and trio.current_time() < kept_by)
+                    ):
+                        # Its watcher, here or on another replica, is still keeping the log
+                        # (it is told when it is kept); a stream that broke before the end
+                        # takes the rest from it.
                         with trio.move_on_after(SCHEDULE_EVERY_S):
                             await dispatcher.wait_changed()
                         continue
@@ -305,6 +321,7 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
                     ) from None
                 if not follow:
                     return
+                whole = True
                 # The container ended; the kept log holds anything written after our stream.
                 await dispatcher.wait_ended(workspace, task_id)
 

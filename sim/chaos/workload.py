@@ -294,10 +294,13 @@ class Workload:
                         nursery.start_soon(self._load, track, path)
             try:
                 await self._call(lambda c: c.cancel_task(track.id))
-            except ApiError as exc:
-                if exc.code is not ErrorCode.FAILED_PRECONDITION:
-                    raise
+            except* ApiError as group:
                 # It ended first (its worker lost, say), as a user's cancel may find it.
+                _, other = group.split(
+                    lambda e: isinstance(e, ApiError) and e.code is ErrorCode.FAILED_PRECONDITION
+                )
+                if other is not None:
+                    raise other from None
         await self._wait_end(track)
 
     async def _load(self, track: TaskTrack, path: str) -> None:

@@ -133,6 +133,23 @@ def capacities(
     return out
 
 
+def _watch_ended_by(record: TaskRecord, exc: Exception) -> Failed | Lost:
+    """What a watcher's error means for its task. The worker's answer is the task's (its
+    container gone: lost). Anything else, a record that could not be written included (the
+    database being away is waited out, so not that), is logged: the task was not followed."""
+    if isinstance(exc, ApiError) and not isinstance(exc, TaskStoreError):
+        if exc.code is ErrorCode.NOT_FOUND:
+            return Lost(f"worker {record.worker} no longer has its container")
+        return Failed(exc.message)
+    log.error(
+        "task %s: watching it failed",
+        record.id,
+        exc_info=exc,
+        extra=_fields(task=record.id, worker=record.worker),
+    )
+    return Failed(NOT_FOLLOWED)
+
+
 def outcome(status: ContainerStatus) -> Exited | Failed:
     """The task event for a container that has ended."""
     if status.state == "exited" and status.exit_code is not None:
@@ -619,28 +636,8 @@ class Dispatcher:
                 await self._clean_up(record, stop=True)
         except WorkerLost as exc:
             await self._settle_last(record, Lost(str(exc)))
-        except TaskStoreError:
-            # Not the task's failure: the record could not be written (and not because the
-            # database was away; that is waited out).
-            log.exception(
-                "task %s: its record could not be written",
-                record.id,
-                extra=_fields(task=record.id, worker=record.worker),
-            )
-            await self._settle_last(record, Failed(NOT_FOLLOWED))
-        except ApiError as exc:
-            if exc.code is ErrorCode.NOT_FOUND:
-                event: Failed | Lost = Lost(f"worker {record.worker} no longer has its container")
-            else:
-                event = Failed(exc.message)
-            await self._settle_last(record, event)
-        except Exception:
-            log.exception(
-                "task %s: watching it failed",
-                record.id,
-                extra=_fields(task=record.id, worker=record.worker),
-            )
-            await self._settle_last(record, Failed(NOT_FOLLOWED))
+        except Exception as exc:
+            await self._settle_last(record, _watch_ended_by(record, exc))
         finally:
             for hook in self.on_ended:
                 with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):

@@ -70,7 +70,18 @@ def rules_of(obj: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def files_containing(root: Path, needle: bytes) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+    """The files under `root` holding `needle`. The walk runs while the nodes' agents clean up
+    after tasks that just ended: a file or directory removed meanwhile holds nothing."""
+    found = []
+    for folder, _, names in os.walk(root):  # a directory gone under the walk is skipped
+        for name in names:
+            path = Path(folder, name)
+            try:
+                if path.is_file() and needle in path.read_bytes():
+                    found.append(path)
+            except FileNotFoundError:
+                continue
+    return found
 
 
 async def join(

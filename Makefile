@@ -37,8 +37,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $@
 
+# The suite and the campaign run in a network namespace and cgroups of their own when root
+# (sim/isolation.py), so that a second run on the machine meets none of their names;
+# LEVERS9_ISOLATION=off runs them on the host's own.
+ISOLATED := $(BIN)/python -m sim.isolation --
+
 test: deps install
-	$(BIN)/pytest -q -p no:randomly
+	$(ISOLATED) $(BIN)/pytest -q -p no:randomly
 
 # A random order each run; `make test-shuffled SEED=N` repeats the order of the run that printed N.
 ifndef SEED
@@ -46,7 +51,7 @@ SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
 test-shuffled: deps install
 	@echo "test order seed: $(SEED) (make test-shuffled SEED=$(SEED) repeats it)"
-	$(BIN)/pytest -q -p randomly --randomly-seed=$(SEED)
+	$(ISOLATED) $(BIN)/pytest -q -p randomly --randomly-seed=$(SEED)
 
 # On a machine with an NVIDIA GPU and its driver: NVML, the claim, the allocator, self-check and a
 # runc container given one card, against the real driver (tests/test_gpu_real.py). Elsewhere every
@@ -107,7 +112,7 @@ CHAOS_SEED ?= 1
 CHAOS_MINUTES ?= 5
 chaos: deps install
 	@mkdir -p bench-results
-	$(BIN)/python -m sim chaos --seed $(CHAOS_SEED) --minutes $(CHAOS_MINUTES) \
+	$(ISOLATED) $(BIN)/python -m sim chaos --seed $(CHAOS_SEED) --minutes $(CHAOS_MINUTES) \
 	  --json bench-results/chaos.json
 
 clean:

@@ -33,9 +33,11 @@ from control.kube.join import (
     ClusterSide,
     JoinError,
     manifests,
+    namespace_refusal,
     open_cluster_side,
     pool_block,
 )
+from control.kube.planner import POOL_LABEL as JOB_POOL
 from control.kube.pools import load_pools
 from sim.cluster import OWN_NAMESPACE, POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
 from sim.kubeapi.store import KubeStandin
@@ -225,6 +227,37 @@ async def test_join_refuses_before_touching_the_cluster(
         assert kube.get("clusterroles", "levers9-controlplane-levers9") is None
 
 
+async def test_leave_keeps_a_namespace_that_configured_pools_share_and_changes_nothing(
+    tmp_path: Path, kube: KubeStandin, kubeconfig: Path, in_pod: Path
+) -> None:
+    async with open_cluster(
+        tmp_path / "cluster",
+        kube,
+        nodes=[],
+        pools=[PoolSpec("config-pool")],
+        joined_pools={"inCluster": True},
+    ) as cluster:
+        await join(cluster, kubeconfig)
+        leave = ("cluster", "leave", "gpus", "--kubeconfig", str(kubeconfig))
+        refused = await cluster.cli(*leave, "--delete-namespace", workspace="operator", check=False)
+        assert refused.returncode == 1
+        said = refused.stderr.decode()
+        assert "namespace levers9 is kept" in said
+        assert "pools config-pool (config) are set to namespace levers9" in said
+        assert "without --delete-namespace" in said
+        # Nothing was changed: the pool, the namespace and the joined pool's access are there.
+        listed = json.loads(
+            (await cluster.cli("cluster", "list", "--json", workspace="operator")).stdout
+        )
+        assert sorted(p["name"] for p in listed) == ["config-pool", "gpus"]
+        assert kube.get("namespaces", "levers9") is not None
+        assert kube.get("serviceaccounts", SERVICE_ACCOUNT, "levers9") is not None
+
+        left = await cluster.cli(*leave, workspace="operator")
+        assert f"serviceaccount levers9/{SERVICE_ACCOUNT}: deleted" in left.stderr.decode()
+        assert kube.get("namespaces", "levers9") is not None
+
+
 async def test_join_with_an_identity_that_may_not_create_roles_says_so(
     tmp_path: Path, kube: KubeStandin, in_pod: Path
 ) -> None:
@@ -412,6 +445,50 @@ async def test_a_rerun_keeps_what_it_should_and_leave_twice_finds_it_gone(
     assert kube.get("namespaces", "team") is not None  # kept without --delete-namespace
 
 
+async def test_only_a_namespace_the_join_made_for_the_pool_and_holding_only_its_jobs_goes(
+    kube: KubeStandin, kubeconfig: Path
+) -> None:
+    kube.add_namespace("shared")
+    async with open_cluster_side(str(kubeconfig), None) as side:
+        assert (await side.apply("team", "a")).steps[0] == "namespace team: created"
+        assert (await side.apply("team", "b")).steps[0] == "namespace team: exists, kept"
+        assert (await side.apply("shared", "a")).steps[0] == "namespace shared: exists, kept"
+        job = {"metadata": {"name": "w-b-1", "namespace": "team", "labels": {JOB_POOL: "b"}}}
+        kube.create("jobs", {**job, "spec": {"template": {"spec": {"containers": []}}}})
+
+        with pytest.raises(JoinError) as refused:
+            await side.check_namespace_removal("team", "b", ["a (joined)"])
+        assert str(refused.value) == (
+            "namespace team is kept: cluster join did not create it for pool b (it was created "
+            "for pool a); pools a (joined) are set to namespace team. Nothing was changed: run "
+            "`levers9 cluster leave b` without --delete-namespace"
+        )
+        with pytest.raises(JoinError, match=r"it holds Jobs that are not pool a's: w-b-1\."):
+            await side.check_namespace_removal("team", "a", [])
+        with pytest.raises(JoinError, match=r"^namespace shared is kept: cluster join did not "):
+            await side.check_namespace_removal("shared", "a", [])
+
+        k8s.BatchV1Api(kube.api_client()).delete_namespaced_job("w-b-1", "team")
+        await side.check_namespace_removal("team", "a", [])
+        await side.check_namespace_removal("gone", "a", [])  # nothing to keep
+        # While another joined pool uses the namespace's ServiceAccount, leaving keeps it.
+        kept = await side.remove("team", delete_namespace=False, shared_with=["b"])
+        assert kept == [
+            f"serviceaccount team/{SERVICE_ACCOUNT} and its roles: kept, joined pool b uses them"
+        ]
+        assert kube.get("serviceaccounts", SERVICE_ACCOUNT, "team") is not None
+        assert "namespace team: deleted" in await side.remove("team", delete_namespace=True)
+
+
+def test_a_namespace_refusal_names_at_most_a_few_jobs() -> None:
+    found = {"metadata": {"name": "ns", "annotations": {"levers9.dev/created-for-pool": "p"}}}
+    jobs = [{"metadata": {"name": f"j{i}"}} for i in range(8)]
+    said = namespace_refusal("ns", "p", found, [], jobs)
+    assert said is not None and "j0, j1, j2, j3, j4 and 3 more." in said
+    own = [{"metadata": {"name": "w", "labels": {JOB_POOL: "p"}}}]
+    assert namespace_refusal("ns", "p", found, [], own) is None
+
+
 async def test_an_api_that_cannot_be_reached_or_trusted_says_so(
     tmp_path: Path, kube: KubeStandin
 ) -> None:
@@ -471,6 +548,9 @@ class _Failing:
         raise self.error
 
     async def wait_secret_value(self, namespace: str, name: str, key: str) -> str:
+        raise self.error
+
+    async def list_jobs(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
         raise self.error
 
 

@@ -48,7 +48,7 @@ async def cluster_join(args: argparse.Namespace) -> None:
                 )
         try:
             async with open_cluster_side(args.kubeconfig, args.context) as side:
-                joined = await side.apply(args.namespace)
+                joined = await side.apply(args.namespace, args.name)
         except JoinError as exc:
             raise CliError(str(exc)) from None
         for step in joined.steps:
@@ -88,14 +88,38 @@ async def cluster_leave(args: argparse.Namespace) -> None:
     from control.kube.join import JoinError, open_cluster_side
 
     async with client_from_args(args) as client:
-        view = await timed(client.delete_pool(args.name))
-    print(f"pool {view.name} left: its workers were removed", file=sys.stderr)
-    if args.keep_access:
-        return
-    try:
-        async with open_cluster_side(args.kubeconfig, args.context) as side:
-            steps = await side.remove(view.namespace, delete_namespace=args.delete_namespace)
-    except JoinError as exc:
-        raise CliError(str(exc)) from None
+        known = await timed(client.pools())
+        leaving = next((p for p in known.pools if p.name == args.name), None)
+        if leaving is None:
+            raise CliError(f"no pool {args.name}; `levers9 cluster list` shows the pools")
+        others = [p for p in known.pools if p.name != args.name]
+        # Other joined pools of the same cluster and namespace hold the same ServiceAccount.
+        shared_with = [
+            p.name
+            for p in others
+            if p.source == "joined"
+            and p.namespace == leaving.namespace
+            and p.endpoint == leaving.endpoint
+        ]
+        try:
+            if args.delete_namespace and not args.keep_access:
+                # Checked before anything is removed: a refusal changes nothing.
+                sharing = [
+                    f"{p.name} ({p.source})" for p in others if p.namespace == leaving.namespace
+                ]
+                async with open_cluster_side(args.kubeconfig, args.context) as side:
+                    await side.check_namespace_removal(leaving.namespace, args.name, sharing)
+            view = await timed(client.delete_pool(args.name))
+            print(f"pool {view.name} left: its workers were removed", file=sys.stderr)
+            if args.keep_access:
+                return
+            async with open_cluster_side(args.kubeconfig, args.context) as side:
+                steps = await side.remove(
+                    view.namespace,
+                    delete_namespace=args.delete_namespace,
+                    shared_with=shared_with,
+                )
+        except JoinError as exc:
+            raise CliError(str(exc)) from None
     for step in steps:
         print(step, file=sys.stderr)

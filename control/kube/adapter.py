@@ -639,6 +639,8 @@ class KubeObjects(Protocol):
 
     async def wait_secret_value(self, namespace: str, name: str, key: str) -> str: ...
 
+    async def list_jobs(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]: ...
+
 
 @attrs.frozen
 class Kind:

@@ -18,7 +18,7 @@ identity lacks.
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from http import HTTPStatus
 from typing import Any
@@ -38,6 +38,7 @@ from control.kube.adapter import (
     kubeconfig_contexts,
     open_kubeconfig_client,
 )
+from control.kube.planner import POOL_LABEL
 
 __all__ = [
     "CLUSTER_RULES",
@@ -49,6 +50,7 @@ __all__ = [
     "Joined",
     "cluster_role_name",
     "manifests",
+    "namespace_refusal",
     "open_cluster_side",
     "pool_block",
 ]
@@ -57,6 +59,10 @@ SERVICE_ACCOUNT = "levers9-controlplane"
 TOKEN_SECRET = "levers9-controlplane-token"
 TOKEN_WAIT_S = 30.0
 MANAGED = {"app.kubernetes.io/managed-by": "levers9"}
+CREATED_FOR = "levers9.dev/created-for-pool"
+"""On a namespace the join created: the pool it was created for. `cluster leave
+--delete-namespace` deletes no other namespace."""
+SHOWN_JOBS = 5
 
 CLUSTER_RULES: tuple[Mapping[str, Any], ...] = (
     {"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get", "list", "watch"]},
@@ -89,8 +95,9 @@ def cluster_role_name(namespace: str) -> str:
     return f"levers9-controlplane-{namespace}"
 
 
-def manifests(namespace: str) -> list[tuple[str, dict[str, Any]]]:
-    """Everything the join creates, in order, as (kind, manifest)."""
+def manifests(namespace: str, pool: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Everything the join creates, in order, as (kind, manifest); the namespace, when
+    created, names `pool` as the one it was created for."""
     labels = dict(MANAGED)
     role = cluster_role_name(namespace)
     subject = {"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": namespace}
@@ -103,7 +110,16 @@ def manifests(namespace: str) -> list[tuple[str, dict[str, Any]]]:
 
     rbac = "rbac.authorization.k8s.io/v1"
     return [
-        ("Namespace", {"apiVersion": "v1", "kind": "Namespace", "metadata": meta(namespace)}),
+        (
+            "Namespace",
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": meta(namespace, annotations={CREATED_FOR: pool})
+                if pool is not None
+                else meta(namespace),
+            },
+        ),
         (
             "ServiceAccount",
             {
@@ -271,12 +287,13 @@ class ClusterSide:
         except KubeError as exc:
             raise self._fail(what, exc) from None
 
-    async def apply(self, namespace: str) -> Joined:
+    async def apply(self, namespace: str, pool: str | None = None) -> Joined:
         """Create what is missing, bring the roles and bindings back to shape, and read the
-        token (waiting up to `TOKEN_WAIT_S` for Kubernetes to fill it in)."""
+        token (waiting up to `TOKEN_WAIT_S` for Kubernetes to fill it in). A namespace
+        created here is marked as `pool`'s."""
         steps: list[str] = []
         ns = namespace
-        for kind, manifest in manifests(namespace):
+        for kind, manifest in manifests(namespace, pool):
             name = manifest["metadata"]["name"]
             scope = None if kind in CLUSTER_SCOPED_KINDS else ns
             label = f"{kind.lower()} {name}" if scope is None else f"{kind.lower()} {ns}/{name}"
@@ -309,11 +326,35 @@ class ClusterSide:
             f"{ns} describe secret {TOKEN_SECRET})"
         )
 
-    async def remove(self, namespace: str, *, delete_namespace: bool) -> list[str]:
+    async def check_namespace_removal(
+        self, namespace: str, pool: str, sharing: Sequence[str]
+    ) -> None:
+        """Raises a JoinError saying why `namespace` may not be deleted with `pool` (see
+        `namespace_refusal`); returns when it may, or when it is gone already."""
+        with self._step(f"read namespace {namespace}"):
+            found = await self.api.read_object("Namespace", namespace)
+        if found is None:
+            return
+        with self._step(f"list jobs in namespace {namespace}"):
+            jobs = await self.api.list_jobs(namespace)
+        refusal = namespace_refusal(namespace, pool, found, sharing, jobs)
+        if refusal is not None:
+            raise JoinError(refusal)
+
+    async def remove(
+        self, namespace: str, *, delete_namespace: bool, shared_with: Sequence[str] = ()
+    ) -> list[str]:
         """Undo the join: the cluster-wide role and binding, then the namespace (with the
-        ServiceAccount, its token, the Role and what workers left) or those objects alone."""
+        ServiceAccount, its token, the Role and what workers left) or those objects alone.
+        While other joined pools (`shared_with`) use the same ServiceAccount, it is all kept."""
         role = cluster_role_name(namespace)
         ns = namespace
+        if shared_with:
+            return [
+                f"serviceaccount {ns}/{SERVICE_ACCOUNT} and its roles: kept, joined pool"
+                f"{'s' if len(shared_with) > 1 else ''} {', '.join(shared_with)} use"
+                f"{'' if len(shared_with) > 1 else 's'} them"
+            ]
         deletions: list[tuple[str, str, str | None]] = [
             ("ClusterRoleBinding", role, None),
             ("ClusterRole", role, None),
@@ -334,6 +375,42 @@ class ClusterSide:
                 deleted = await self.api.delete_object(kind, name, scope)
             steps.append(f"{label}: deleted" if deleted else f"{label}: already gone")
         return steps
+
+
+def namespace_refusal(
+    namespace: str,
+    pool: str,
+    found: Mapping[str, Any],
+    sharing: Sequence[str],
+    jobs: Sequence[Mapping[str, Any]],
+) -> str | None:
+    """Why `cluster leave POOL --delete-namespace` must keep `namespace` (as found), or None:
+    it is deleted only when the join created it for `pool`, no other pool is set to it
+    (`sharing`, as "name (source)"), and no Job but `pool`'s is in it."""
+    reasons = []
+    meta = found.get("metadata") or {}
+    created_for = (meta.get("annotations") or {}).get(CREATED_FOR)
+    if created_for != pool:
+        made = f" (it was created for pool {created_for})" if created_for else ""
+        reasons.append(f"cluster join did not create it for pool {pool}{made}")
+    if sharing:
+        reasons.append(f"pools {', '.join(sharing)} are set to namespace {namespace}")
+    others = sorted(
+        str((job.get("metadata") or {}).get("name", ""))
+        for job in jobs
+        if ((job.get("metadata") or {}).get("labels") or {}).get(POOL_LABEL) != pool
+    )
+    if others:
+        more = f" and {len(others) - SHOWN_JOBS} more" if len(others) > SHOWN_JOBS else ""
+        reasons.append(
+            f"it holds Jobs that are not pool {pool}'s: {', '.join(others[:SHOWN_JOBS])}{more}"
+        )
+    if not reasons:
+        return None
+    return (
+        f"namespace {namespace} is kept: {'; '.join(reasons)}. Nothing was changed: run "
+        f"`levers9 cluster leave {pool}` without --delete-namespace"
+    )
 
 
 def _phrase(status: int) -> str:

@@ -330,6 +330,77 @@ async def test_a_worker_that_never_answers_a_create_loses_the_task_with_its_reas
         nursery.cancel_scope.cancel()
 
 
+class _PullFails:
+    """A connected worker whose every create fails as `error` says, and that has no container
+    (the pull never got far enough to make one)."""
+
+    def __init__(self, error: ApiError) -> None:
+        self.error = error
+        self.creates = 0
+
+    async def client_for(self, worker_id: str) -> _PullFails:
+        return self
+
+    def knows(self, worker_id: str) -> bool:
+        return True
+
+    async def create_container(self, spec: object) -> ContainerStatus:
+        self.creates += 1
+        raise self.error
+
+    async def container(self, container_id: str) -> ContainerStatus:
+        raise ApiError(ErrorCode.NOT_FOUND, f"no container {container_id}")
+
+    async def container_logs(self, container_id: str) -> AsyncIterator[LogLine]:
+        raise ApiError(ErrorCode.NOT_FOUND, f"no container {container_id}")
+        yield  # an async generator
+
+    async def delete_container(self, container_id: str) -> None:
+        raise ApiError(ErrorCode.NOT_FOUND, f"no container {container_id}")
+
+
+UNREACHABLE_REGISTRY = (
+    "registry 127.0.0.1:59999 is unreachable: All connection attempts failed; check that it "
+    "runs and the address is right, then retry"
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "state", "reason"),
+    [
+        # The worker's answer about the task's image: the task's failure, with its words, now.
+        (
+            ApiError(ErrorCode.UNAVAILABLE, UNREACHABLE_REGISTRY, field="image"),
+            TaskState.FAILED,
+            UNREACHABLE_REGISTRY,
+        ),
+        # The way to the worker broke: asked again until the worker counts as lost.
+        (
+            ApiError(ErrorCode.UNAVAILABLE, "worker w1 unreachable: connection lost"),
+            TaskState.LOST,
+            "worker w1 was unreachable for 120 s (worker w1 unreachable: connection lost)",
+        ),
+    ],
+)
+async def test_a_pull_error_fails_its_task_at_once_and_an_unreachable_worker_is_waited_for(
+    tmp_path: Path,
+    autojump_clock: trio.testing.MockClock,
+    error: ApiError,
+    state: TaskState,
+    reason: str,
+) -> None:
+    async with open_task_store(tmp_path / "tasks.db") as store:
+        worker = _PullFails(error)
+        dispatcher = Dispatcher(store, worker, Workspaces(()), lost_after_s=120)  # type: ignore[arg-type]
+        created = await store.create("a", TaskSpec(image="127.0.0.1:59999/busybox:latest"))
+        placed = await store.apply("a", created.id, Start(worker="w1", node="n1"))
+        await dispatcher._watch(placed, False)
+        ended = await store.get("a", created.id)
+        assert (ended.state, ended.reason) == (state, reason)
+        if state is TaskState.FAILED:
+            assert worker.creates == 1 and trio.current_time() < 1
+
+
 class _Restarting:
     """The task store while its database restarts: every write answers UNAVAILABLE, as a
     pooled connection the server closed does, until `back_at` (trio time)."""

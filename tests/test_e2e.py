@@ -5,6 +5,7 @@ API (directly or through the tunnel)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -282,6 +283,18 @@ async def test_the_cli_runs_a_task_and_a_short_wait_leaves_it_running(
             assert ran.returncode == 7, ran.stderr
             assert ran.stdout.decode().splitlines() == ["out"]
             assert "err" in ran.stderr.decode().splitlines()
+
+            # An image whose registry nobody serves: the task fails at once, with the
+            # worker's words about the registry, not after the worker counts as lost.
+            with socket.socket() as unused:
+                unused.bind(("127.0.0.1", 0))
+                nowhere = f"127.0.0.1:{unused.getsockname()[1]}"
+            with trio.fail_after(30):
+                unreachable = await cluster.cli(
+                    "run", f"{nowhere}/busybox:latest", "--", "true", check=False
+                )
+            assert unreachable.returncode == 1
+            assert f"registry {nowhere} is unreachable" in unreachable.stderr.decode()
 
             # A wait shorter than the start: DEADLINE_EXCEEDED, and the task goes on.
             short = await cluster.cli(

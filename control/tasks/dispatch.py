@@ -150,6 +150,14 @@ def _watch_ended_by(record: TaskRecord, exc: Exception) -> Failed | Lost:
     return Failed(NOT_FOLLOWED)
 
 
+def unreachable(exc: ApiError) -> bool:
+    """Whether a worker call failed because the worker could not be reached (its connection,
+    its tunnel, the replica holding it): worth asking again. An UNAVAILABLE that names a field
+    of the request is the worker's answer about that request (`image`: its registry cannot be
+    reached) and is the task's to keep, at once."""
+    return exc.code is ErrorCode.UNAVAILABLE and exc.field is None
+
+
 def outcome(status: ContainerStatus) -> Exited | Failed:
     """The task event for a container that has ended."""
     if status.state == "exited" and status.exit_code is not None:
@@ -605,7 +613,7 @@ class Dispatcher:
                 # (its pool's first pass reads its token back); a gone one is reported by its
                 # pool (`worker_gone`), or stays unknown until `lost_after_s`.
                 unknown = exc.code is ErrorCode.NOT_FOUND and not self.registry.knows(worker_id)
-                if exc.code is not ErrorCode.UNAVAILABLE and not unknown:
+                if not (unreachable(exc) or unknown):
                     raise
                 now = trio.current_time()
                 first_failure = now if first_failure is None else first_failure

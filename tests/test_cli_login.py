@@ -12,6 +12,7 @@ import io
 import json
 import os
 import stat
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,6 +145,18 @@ async def test_a_refused_token_stores_nothing(fake: FakeControlplane, cli: Cli) 
     before = cli.path.read_bytes()
     assert (await cli.login(fake, "--context", "other", token=WRONG)).code == 1
     assert cli.path.read_bytes() == before
+
+
+async def test_login_without_the_ca_of_a_private_controlplane_names_the_flag(
+    fake: FakeControlplane, cli: Cli
+) -> None:
+    untrusted = await cli.run("login", fake.url, stdin=TOKEN + "\n")
+    assert untrusted.code == 1
+    assert untrusted.err.startswith(f"levers9: TLS with {fake.url} failed (")
+    assert untrusted.err.endswith(
+        "if its certificate is from a private CA, pass that CA with --ca FILE\n"
+    )
+    assert not cli.path.exists()
 
 
 async def test_login_prompts_on_a_terminal_and_reads_a_pipe_otherwise(
@@ -333,6 +346,27 @@ async def test_token_flag_warns_on_a_terminal_only(
     args = parse_args(["--token", TOKEN, "task", "list"])
     assert token_flag_warning(args, io.StringIO(), tty_stdin) == TOKEN_FLAG_WARNING
     assert token_flag_warning(args, io.StringIO(), io.StringIO()) is None
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
+    # `levers9 context list | head -1`, with more contexts than a pipe holds.
+    path = tmp_path / "config"
+    names = [f"cp-{i}.example.com" for i in range(3000)]
+    contexts = tuple(Context(n, f"https://{n}", TOKEN) for n in names)
+    save(path, ContextsFile(contexts, current_context=names[0]))
+    command = "import sys; from control.cli.main import main; sys.exit(main())"
+    levers9 = subprocess.Popen(
+        [sys.executable, "-c", command, "context", "list"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "LEVERS9_CONFIG": str(path)},
+    )
+    assert levers9.stdout is not None and levers9.stderr is not None
+    assert levers9.stdout.readline().split() == [b"CURRENT", b"NAME", b"CONTROLPLANE", b"CA"]
+    levers9.stdout.close()
+    err = levers9.stderr.read().decode()
+    assert levers9.wait(timeout=30) == 141
+    assert err == ""
 
 
 @pytest.mark.parametrize(

@@ -228,7 +228,7 @@ async def _connect(url: str, host: str, port: int, context: ssl.SSLContext) -> T
         await trio.aclose_forcefully(tls)
         raise ControlClientError(
             f"TLS with {url} failed ({exc.__cause__ or exc}); "
-            "pass its CA with LEVERS9_CA if it is private"
+            "if its certificate is from a private CA, pass that CA with --ca FILE"
         ) from None
     except BaseException:
         await trio.aclose_forcefully(tls)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from agent import __version__
 from control.cli.usage import (
     CALL_TIMEOUT_S,
     DEFAULT_WAIT_S,
+    EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     CliError,
@@ -326,6 +328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         messages.append(f"DEADLINE_EXCEEDED: no answer within {CALL_TIMEOUT_S:g} s")
     except* KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except* BrokenPipeError:
+        # The reader went away (`levers9 task logs ID | head`): end quietly, as git and
+        # kubectl do. Python's own flush of stdout at exit would fail again, so stdout now
+        # goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_BROKEN_PIPE
     for message in messages:
         print(f"levers9: {message}", file=sys.stderr)
     return code

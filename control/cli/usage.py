@@ -15,6 +15,8 @@ DEFAULT_WAIT_S = 60.0
 EXIT_USAGE = 2
 EXIT_DEADLINE = 124
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE: what a shell shows for a program the closed pipe ended (git's, kubectl's)."""
 
 
 class CliError(Exception):

@@ -19,6 +19,12 @@ class ApiFailure extends Error {
   }
 }
 
+// What an element holds now; null, undefined and false (a part not shown) are left out, as
+// h() leaves them out: the DOM's own replaceChildren would show them as the text "null".
+function fill(el, ...children) {
+  el.replaceChildren(...children.flat().filter((child) => child !== null && child !== undefined && child !== false));
+}
+
 function h(tag, attrs = {}, ...children) {
   const el = document.createElement(tag);
   for (const [key, value] of Object.entries(attrs)) {
@@ -61,9 +67,10 @@ async function api(path, { method = "GET", body, signal } = {}) {
 }
 
 // Calls onItem with each JSON line of a streaming answer until it ends or `signal` aborts.
-async function stream(path, onItem, signal) {
+async function stream(path, onItem, signal, onAnswered = () => {}) {
   const response = await fetch(path, { signal, credentials: "same-origin" });
   if (!response.ok) throw await failure(response);
+  onAnswered();
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let pending = "";
@@ -95,8 +102,8 @@ async function keepStreaming(path, onItem, onTrouble, signal, onOpen = () => {})
   for (;;) {
     try {
       onOpen();
-      await stream(path, onItem, signal);
-      onTrouble(null);
+      // Answered again: the trouble shown meanwhile is over, and the next blip is bridged fast.
+      await stream(path, onItem, signal, () => { onTrouble(null); delay = 250; });
       return;
     } catch (error) {
       if (signal.aborted) return;
@@ -206,7 +213,7 @@ async function appsView(query, signal) {
   const older = h("a", { class: "button hidden", text: "Older →" });
   const newer = h("a", { class: "button", href: `#/apps${state ? `?state=${state}` : ""}`, text: "← Newest" });
   const trouble = h("div");
-  view.replaceChildren(
+  fill(view,
     h("h1", {}, "Apps ", h("span", { class: "muted", text: `workspace ${session.name}` })),
     filters, trouble,
     h("table", { class: "tasks" },
@@ -229,13 +236,13 @@ async function appsView(query, signal) {
         task.node ? h("div", { class: "why", text: task.node }) : null),
       h("td", { text: since(task.createdAt), title: when(task.createdAt) }),
       h("td", { text: duration(task) })));
-    body.replaceChildren(...(rows.length ? rows : [h("tr", {}, h("td", { colspan: 8, class: "muted", text: state ? `No ${state} tasks.` : "No tasks yet. Run one with `levers9 run`." }))]));
+    fill(body, ...(rows.length ? rows : [h("tr", {}, h("td", { colspan: 8, class: "muted", text: state ? `No ${state} tasks.` : "No tasks yet. Run one with `levers9 run`." }))]));
     older.classList.toggle("hidden", !list.next);
     if (list.next) older.href = `#/apps?${new URLSearchParams({ ...(state ? { state } : {}), before: list.next })}`;
   };
   const ticker = setInterval(() => latest && draw(latest), 1000);
   signal.addEventListener("abort", () => clearInterval(ticker), { once: true });
-  await keepStreaming(`/v1/tasks?${params}`, draw, (error) => trouble.replaceChildren(...(error ? [problem(error)] : [])), signal);
+  await keepStreaming(`/v1/tasks?${params}`, draw, (error) => fill(trouble, ...(error ? [problem(error)] : [])), signal);
 }
 
 function confirmThen(text, action) {
@@ -256,7 +263,7 @@ async function taskView(id, signal) {
   const said = h("div");
   const logBox = h("pre", { class: "log", "aria-label": "log" });
   const logState = h("p", { class: "muted small", text: "Waiting for the log…" });
-  view.replaceChildren(
+  fill(view,
     h("p", {}, h("a", { href: "#/apps", text: "← Apps" })),
     head, actions, said,
     h("div", { class: "columns" },
@@ -267,19 +274,19 @@ async function taskView(id, signal) {
   const act = (what, path, done) => async () => {
     try {
       const result = await api(path, { method: "POST", signal });
-      said.replaceChildren(h("div", { class: "notice ok", text: done(result) }));
+      fill(said, h("div", { class: "notice ok", text: done(result) }));
     } catch (error) {
-      said.replaceChildren(problem(error));
+      fill(said, problem(error));
     }
   };
   let shown = null;
   const draw = (task) => {
-    head.replaceChildren(h("h1", {}, task.id, " ", h("span", { class: `state ${task.state}`, text: task.state })),
+    fill(head, h("h1", {}, task.id, " ", h("span", { class: `state ${task.state}`, text: task.state })),
       task.waiting ? h("p", { class: "why", text: task.waiting }) : null,
       task.reason ? h("p", { class: "why", text: `${task.exitCode !== null && task.exitCode !== undefined ? `exit ${task.exitCode} · ` : ""}${task.reason}` }) : null);
     if (shown !== task.state) {
       shown = task.state;
-      actions.replaceChildren(
+      fill(actions,
         ["pending", "starting", "running"].includes(task.state) ? h("button", { class: "danger", id: "cancel", type: "button",
           onclick: () => confirmThen(`Cancel task ${task.id}? Its container is stopped.`, act("cancel", `/v1/tasks/${encodeURIComponent(task.id)}/cancel`, (t) => `Task ${t.id} is ${t.state}.`)) }, "Cancel") : null,
         task.state === "running" ? h("button", { id: "snapshot", type: "button",
@@ -296,23 +303,26 @@ async function taskView(id, signal) {
       ["Worker", task.worker || "—"],
       ["Node", task.node || "—"],
     ];
-    facts.replaceChildren(...rows.flatMap(([k, v]) => [h("dt", { text: k }), h("dd", { text: v })]));
+    fill(facts, ...rows.flatMap(([k, v]) => [h("dt", { text: k }), h("dd", { text: v })]));
     const steps = [["created", task.createdAt], ["placed", task.startedAt], ["running", task.runningAt], [task.state, task.finishedAt]];
-    timeline.replaceChildren(...steps.filter(([, t]) => t).map(([name, t]) => h("li", {}, h("strong", { text: name }), " ", h("span", { class: "muted", text: when(t) }))));
-    endpoints.replaceChildren(...(task.ports?.length ? task.ports.map((port) => h("div", { class: "endpoint" },
+    fill(timeline, ...steps.filter(([, t]) => t).map(([name, t]) => h("li", {}, h("strong", { text: name }), " ", h("span", { class: "muted", text: when(t) }))));
+    fill(endpoints, ...(task.ports?.length ? task.ports.map((port) => h("div", { class: "endpoint" },
       h("code", { text: `${window.location.origin}/v1/tasks/${task.id}/ports/${port}/` }),
       h("p", { class: "muted small", text: `With a workspace token as a bearer header, or locally: levers9 port ${task.id} ${port}` }))) : [h("p", { class: "muted", text: "No ports declared." })]));
   };
-  const trouble = (error) => said.replaceChildren(...(error ? [problem(error)] : []));
+  const trouble = (error) => fill(said, ...(error ? [problem(error)] : []));
   const follow = async () => {
     let lines = 0;
-    const restart = () => { lines = 0; logBox.replaceChildren(); };
+    const restart = () => { lines = 0; fill(logBox); };
     await keepStreaming(`/v1/tasks/${encodeURIComponent(id)}/logs?follow=true`, (line) => {
       lines += 1;
       logBox.append(h("span", { class: line.stream === "stderr" ? "line stderr" : "line", title: `${line.stream} ${line.time}`, text: line.partial ? line.text : `${line.text}\n` }));
       logState.textContent = `${lines} line(s), following`;
       if (logBox.scrollHeight - logBox.scrollTop - logBox.clientHeight < 80) logBox.scrollTop = logBox.scrollHeight;
-    }, (error) => { if (error) logState.replaceChildren(problem(error)); }, signal, restart);
+    }, (error) => {
+      if (error) fill(logState, problem(error));
+      else logState.textContent = lines ? `${lines} line(s), following` : "Following the log…";
+    }, signal, restart);
     if (!signal.aborted) logState.textContent = `${lines} line(s); the log ended`;
   };
   follow();
@@ -333,7 +343,7 @@ function cardBar(cards) {
 async function machinesView(signal) {
   setNav("machines");
   const body = h("div", {}, h("p", { class: "muted", text: "Loading…" }));
-  view.replaceChildren(h("h1", { text: "Machines" }), h("p", { class: "legend" },
+  fill(view, h("h1", { text: "Machines" }), h("p", { class: "legend" },
     h("span", { class: "key ours", text: "ours" }), h("span", { class: "key others", text: "others" }), h("span", { class: "key free", text: "free" })), body);
   while (!signal.aborted) {
     try {
@@ -358,10 +368,10 @@ async function machinesView(signal) {
             h("ul", {}, pool.skipped.map((s) => h("li", {}, h("strong", { text: s.node }), `: ${s.reason}`,
               s.error ? h("span", { class: "node-error" }, ` (last write failed: ${s.error})`) : null)))) : null);
       });
-      body.replaceChildren(...(sections.length ? sections : [h("p", { class: "muted", text: "No pools reconciled by this replica yet." })]));
+      fill(body, ...(sections.length ? sections : [h("p", { class: "muted", text: "No pools reconciled by this replica yet." })]));
     } catch (error) {
       if (signal.aborted) return;
-      body.replaceChildren(problem(error));
+      fill(body, problem(error));
       if (error instanceof ApiFailure && error.status === 403) return;
     }
     await sleep(5000, signal);
@@ -371,11 +381,11 @@ async function machinesView(signal) {
 async function workersView(signal) {
   setNav("workers");
   const body = h("div", {}, h("p", { class: "muted", text: "Loading…" }));
-  view.replaceChildren(h("h1", { text: "Workers" }), body);
+  fill(view, h("h1", { text: "Workers" }), body);
   while (!signal.aborted) {
     try {
       const list = await api("/v1/workers", { signal });
-      body.replaceChildren(h("table", {},
+      fill(body, h("table", {},
         h("thead", {}, h("tr", {}, ["Worker", "Mode", "Connected", "Version", "Cards", "Node", "Tunnel age", "Last heartbeat", "RTT", "Replica"].map((t) => h("th", { text: t })))),
         h("tbody", {}, list.workers.map((w) => h("tr", { "data-worker": w.workerId },
           h("td", { text: w.workerId }), h("td", { text: w.mode }),
@@ -387,10 +397,10 @@ async function workersView(signal) {
           h("td", { text: w.registeredAt ? `${since(w.registeredAt)} ago` : "—" }),
           h("td", { text: w.rttMs !== null && w.rttMs !== undefined ? `${w.rttMs.toFixed(1)} ms` : "—" }),
           h("td", { text: w.replica || "—" }))))));
-      if (!list.workers.length) body.replaceChildren(h("p", { class: "muted", text: "No worker has registered yet." }));
+      if (!list.workers.length) fill(body, h("p", { class: "muted", text: "No worker has registered yet." }));
     } catch (error) {
       if (signal.aborted) return;
-      body.replaceChildren(problem(error));
+      fill(body, problem(error));
       if (error instanceof ApiFailure && error.status === 403) return;
     }
     await sleep(5000, signal);
@@ -410,10 +420,10 @@ function route() {
   else if (page === "machines") shown = machinesView(signal);
   else if (page === "workers") shown = workersView(signal);
   else {
-    view.replaceChildren(h("h1", { text: "Not found" }), h("p", { text: `There is no page ${window.location.hash}.` }), h("a", { href: "#/", text: "Back" }));
+    fill(view, h("h1", { text: "Not found" }), h("p", { text: `There is no page ${window.location.hash}.` }), h("a", { href: "#/", text: "Back" }));
     return;
   }
-  shown.catch((error) => { if (!signal.aborted) view.replaceChildren(problem(error)); });
+  shown.catch((error) => { if (!signal.aborted) fill(view, problem(error)); });
 }
 
 document.getElementById("signout").addEventListener("click", async () => {

@@ -1,6 +1,6 @@
 """Anchors for tunnel benchmarks: the paths ours is compared with, and the measurements.
 
-A figure for our tunnel means little alone; DESIGN.md asks for ratios against anchors measured in
+A figure for our tunnel means little alone; each is reported as a ratio to anchors measured in
 the same run. This module owns everything that does not depend on our tunnel:
 
 - ``open_sink_process``: the separate process where every path ends (``bench.sink``);

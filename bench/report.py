@@ -1,6 +1,6 @@
 """What every benchmark prints and writes: a table for people and one JSON report.
 
-The report's shape is DESIGN.md's benchmark interface: ``figures`` (ours), ``anchors`` (the same
+The report's shape, which every benchmark shares: ``figures`` (ours), ``anchors`` (the same
 figures for the paths we compare against, measured in the same run), ``ratios`` (ours divided by
 the anchor's) and ``machine``, because a figure means little without the machine it came from.
 A benchmark whose figures depend on its size also writes ``inputs`` (node counts, file sizes):

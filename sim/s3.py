@@ -5,7 +5,7 @@ sim.s3`), so its request threads never compete with the test's trio loop and a t
 may stop it to see what an unreachable endpoint does. The process binds port 0 itself and
 prints the port it got, so no port is guessed.
 
-Set-up follows COMPONENTS.md: the server starts with `INITIAL_NO_AUTH_ACTION_COUNT=inf`
+The set-up: the server starts with `INITIAL_NO_AUTH_ACTION_COUNT=inf`
 (every request allowed), an admin and one user per workspace are created with access keys
 and identity policies that allow only their own bucket, and then `POST /moto-api/reset-auth`
 turns enforcement on: from then on a request is checked against the caller's SigV4 signature

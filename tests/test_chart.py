@@ -49,7 +49,7 @@ def sa_key() -> dict[str, str]:
 
 
 def gke_pool(**kube: Any) -> dict[str, Any]:
-    """The block attach-gke-pool.sh prints (DESIGN.md), as an operator pastes it."""
+    """The block attach-gke-pool.sh prints (docs/kubernetes.md), as an operator pastes it."""
     block: dict[str, Any] = {
         "name": "gke-a100",
         "provider": "kubernetes",

@@ -112,3 +112,21 @@ def test_a_documented_command_exists(doc: str, command: str, inline: bool) -> No
 def test_a_command_that_does_not_exist_is_caught(command: str) -> None:
     with pytest.raises(AssertionError):
         test_a_documented_command_exists("x.md", command, False)
+
+
+OUTSIDE = re.compile(r"\.\./shared|\b(?:DESIGN|STYLE|COMPONENTS|LAYOUT)\.md\b")
+"""The team's own notes live beside the repository, not in it: a clone has none of them."""
+
+
+def test_nothing_shipped_points_outside_the_repository() -> None:
+    shipped = [REPO / "README.md", *DOCS, *(REPO / "deploy").rglob("*")]
+    shipped += [*(REPO / "agent").rglob("*.py"), *(REPO / "control").rglob("*.py")]
+    shipped += [*(REPO / "sim").rglob("*.py"), *(REPO / "bench").rglob("*.py")]
+    pointing = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in shipped
+        if path.is_file() and path.suffix not in (".png", ".tgz")
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
+    assert pointing == []

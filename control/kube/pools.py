@@ -1,6 +1,6 @@
 """Kubernetes worker pools as the operator writes them, typed and checked once at start-up.
 
-`config.worker.pools` holds one block per pool (see DESIGN.md); `ControlConfig` keeps them
+`config.worker.pools` holds one block per pool (docs/kubernetes.md); `ControlConfig` keeps them
 as raw mappings so that this module alone owns their shape. `load_pools` structures each
 block with one cattrs converter (camelCase keys, unknown keys refused) and then checks the
 rules that span fields. Every error names the pool and the dotted field

@@ -339,21 +339,28 @@ def s(v):
         r"(?i)(true|false|yes|no|on|off|null|~|[-+.0-9_e]+)", v)
     return v if plain and ": " not in v else json.dumps(v)
 print("# levers9 worker pool for GKE cluster %s, printed by deploy/attach-gke-pool.sh." % cluster)
-print("# Paste it under config.worker.pools in your values file. The key is not here: it is in")
-print("#   %s" % private_values)
-print("# (mode 0600); hand that file to deploy/deploy.sh as a second -f.")
-print("- name: " + s(pool))
-print("  provider: kubernetes")
-print("  kubernetes:")
-print("    flavor: gke")
-print("    endpoint: " + s("https://" + c["endpoint"]))
-print("    caData: " + s(c["masterAuth"]["clusterCaCertificate"]))
-print("    namespace: levers9")
-print("    selector:")
-print("      cloud.google.com/gke-accelerator: " + s(accelerator))
-print("    tunnel: false")
-print("    hostNetwork: true")
-print("    image: " + s(image))
+print("# It is indented to paste as it is under config.worker.pools in your values file:")
+print("#   config:")
+print("#     worker:")
+print("#       pools:        <- the lines below go here (replace pools: [] with pools:)")
+print("# The key is not here: it is in %s (mode 0600). Deploy with that file" % private_values)
+print("# last, so that its secretConfig is merged over your values:")
+print("#   deploy/deploy.sh -f values.yaml -f %s" % private_values)
+for line in (
+    "- name: " + s(pool),
+    "  provider: kubernetes",
+    "  kubernetes:",
+    "    flavor: gke",
+    "    endpoint: " + s("https://" + c["endpoint"]),
+    "    caData: " + s(c["masterAuth"]["clusterCaCertificate"]),
+    "    namespace: levers9",
+    "    selector:",
+    "      cloud.google.com/gke-accelerator: " + s(accelerator),
+    "    tunnel: false",
+    "    hostNetwork: true",
+    "    image: " + s(image),
+):
+    print("      " + line)
 '
 
 py() { python3 -I -c "$@"; }
@@ -587,4 +594,5 @@ fi
 
 py "$PY_BLOCK" "$pool_name" "$accelerator" "$worker_dst" "$private_values" "$cluster" \
     <"$work/cluster.json"
-say "done: paste the block above under config.worker.pools; the key is in $private_values"
+say "done: paste the block above, as it is, under config.worker.pools; the key is in" \
+    "$private_values"

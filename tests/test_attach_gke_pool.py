@@ -312,9 +312,14 @@ def test_first_run_creates_everything_and_prints_a_block_the_controlplane_loads(
     assert str(world.private_values) in result.stdout
     assert list(world.tmp.iterdir()) == []  # the work dir with the key file is gone
 
-    block = yaml.safe_load(result.stdout)
+    # Pasted as it is under the chart's `pools:`, it is that list; deploy.sh's -f order is named.
+    values = (REPO / "deploy/chart/values.yaml").read_text()
+    assert values.count("\n    pools: []\n") == 1
+    pasted = values.replace("\n    pools: []\n", "\n    pools:\n" + result.stdout)
+    block = yaml.safe_load(pasted)["config"]["worker"]["pools"]
     assert isinstance(block, list)
     assert len(block) == 1
+    assert f"deploy/deploy.sh -f values.yaml -f {world.private_values}" in result.stdout
     (pool,) = load_pools(block, creds).pools
     kube = pool.kubernetes
     assert pool.name == POOL

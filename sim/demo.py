@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -231,17 +231,35 @@ async def _join_tunnel_pool(cluster: Cluster, kubeconfig: Path) -> None:
     )
 
 
+def sign_in_lines(url: str, ca_file: Path, tokens: Sequence[tuple[str, str, Path]]) -> list[str]:
+    """How to sign in to the dashboard and log the CLI in, for each (who, context, token
+    file): the token stays in its file, read by `cat` or on the CLI's stdin."""
+    lines = [f"\ndashboard: {url}/ui/ (on this machine; the certificate is the demo's own, from "
+             f"the CA in {ca_file})"]  # fmt: skip
+    lines += [f"  sign in as {who}: the token is in {path} (cat it)" for who, _, path in tokens]
+    lines.append("the CLI, logged in as each (`levers9 context use NAME` switches):")
+    lines += [
+        f"  levers9 login {url} --ca {ca_file} --context {context} < {path}"
+        for _, context, path in tokens
+    ]
+    return lines
+
+
 async def _show_dashboard(cluster: Cluster, workdir: Path, keep: bool) -> None:
-    """The dashboard's address, and where the workspace's token is for signing in (a file
-    only the user can read, removed with the demo's directory; never printed)."""
-    hint = workdir / "sign-in-token"
-    hint.touch(mode=0o600)
-    hint.write_text(cluster.tokens[WORKSPACE] + "\n")
-    say(
-        f"\ndashboard: {cluster.url}/ui/ (on this machine; the certificate is the demo's own, "
-        f"from the CA in {cluster.pki.ca_file})"
-    )
-    say(f"  sign in with the token of workspace {WORKSPACE}: cat {hint}")
+    """The dashboard's address, and where the workspace's and the operator's tokens are for
+    signing in (files only the user can read, removed with the demo's directory; never
+    printed)."""
+    tokens = []
+    for who, context, token in (
+        (f"workspace {WORKSPACE} (Apps)", f"demo-{WORKSPACE}", cluster.tokens[WORKSPACE]),
+        ("the operator (Machines, Workers)", "demo-operator", cluster.operator_token),
+    ):
+        path = workdir / f"{context}-token"
+        path.touch(mode=0o600)
+        path.write_text(token + "\n")
+        tokens.append((who, context, path))
+    for line in sign_in_lines(cluster.url, cluster.pki.ca_file, tokens):
+        say(line)
     if not keep:
         say("  `make demo KEEP=1` keeps it up after the demo, until Ctrl-C")
         return

@@ -11,6 +11,7 @@ import getpass
 import io
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -157,6 +158,25 @@ async def test_login_without_the_ca_of_a_private_controlplane_names_the_flag(
         "if its certificate is from a private CA, pass that CA with --ca FILE\n"
     )
     assert not cli.path.exists()
+
+
+async def test_the_demos_login_lines_log_the_cli_in_without_showing_a_token(
+    fake: FakeControlplane, cli: Cli, tmp_path: Path
+) -> None:
+    from sim.demo import sign_in_lines
+
+    token_file = tmp_path / "demo-team-a-token"
+    token_file.write_text(TOKEN + "\n")
+    lines = sign_in_lines(
+        fake.url, Path(fake.ca), [("workspace team-a", "demo-team-a", token_file)]
+    )
+    assert f"  sign in as workspace team-a: the token is in {token_file} (cat it)" in lines
+    assert TOKEN not in "\n".join(lines)
+    (login,) = [line.strip() for line in lines if line.strip().startswith("levers9 login ")]
+    command, _, source = login.partition(" < ")
+    done = await cli.run(*shlex.split(command)[1:], stdin=Path(source).read_text())
+    assert done.code == 0, done.err
+    assert "context 'demo-team-a' is current" in done.out
 
 
 async def test_login_prompts_on_a_terminal_and_reads_a_pipe_otherwise(

@@ -111,7 +111,7 @@ def test_gke_pool_gets_the_documented_defaults() -> None:
     assert kube.host_network is True
     assert kube.objects_path == "/var/lib/levers9"
     assert kube.driver_path == "/home/kubernetes/bin/nvidia"
-    assert kube.idle_minutes == 30
+    assert kube.idle_minutes == 5
     assert kube.reconcile_seconds == 15
     assert [t.manifest() for t in kube.tolerations] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}

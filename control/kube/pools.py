@@ -216,7 +216,9 @@ class KubernetesPool:
     tolerations: tuple[Toleration, ...] = DEFAULT_TOLERATIONS
     objects_path: str = "/var/lib/levers9"
     driver_path: str = attrs.field(default=attrs.Factory(_default_driver_path, takes_self=True))
-    idle_minutes: int = 30
+    idle_minutes: int = 5
+    """An idle worker winds down after this ("a few idle minutes"), and the next one takes
+    everything free then: cards a neighbour let go of join the machine that soon."""
     reconcile_seconds: float = 15.0
     qps: float = DEFAULT_QPS
     """Requests per second to this cluster's API server, on average (`burst` at once)."""

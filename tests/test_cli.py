@@ -524,7 +524,7 @@ async def test_client_reaches_a_controlplane_with_a_private_ca(fake: FakeControl
 async def test_client_connection_errors_say_what_to_do(
     fake: FakeControlplane, tmp_path: Path
 ) -> None:
-    with pytest.raises(ControlClientError, match="LEVERS9_CA"):
+    with pytest.raises(ControlClientError, match="pass that CA with --ca FILE"):
         async with open_control_client(fake.url, TOKEN, None):
             pass
     with pytest.raises(ControlClientError, match=r"cannot load the CA file .*LEVERS9_CA"):
@@ -715,11 +715,19 @@ PASSES = (
 )
 
 
+def with_busy(machine: Machine, busy: int = 0) -> dict[str, Any]:
+    """A machine's JSON as the pools' pass makes it, with our cards split into busy and idle."""
+    shape = machine.to_json()
+    shape["cards"] = {**shape["cards"], "busy": busy, "idle": machine.cards.ours - busy}
+    return shape
+
+
 def route_as_it_was(statuses: Sequence[PoolStatus]) -> dict[str, Any]:
     """`GET /v1/machines` as the route built it by hand before it had models, with what was
-    added since: each node's last failed write (`error`, null when none)."""
+    added since: each node's last failed write (`error`, null when none), our cards busy and
+    idle."""
     return {
-        "machines": [m.to_json() for status in statuses for m in status.machines],
+        "machines": [with_busy(m) for status in statuses for m in status.machines],
         "pools": [
             {
                 "pool": status.pool,
@@ -746,19 +754,21 @@ def test_the_machine_list_on_the_wire_is_the_json_it_always_was(worker: str | No
 
 
 async def test_machine_list(fake: FakeControlplane, capsys: pytest.CaptureFixture[str]) -> None:
-    fake.machines = machine_list(PASSES)
+    fake.machines = machine_list(PASSES, busy={"node-8": 1})
     assert await levers9(fake, "machine", "list", "--json") == 0
     out, err = capsys.readouterr()
-    assert out == json.dumps([m.to_json() for m in MACHINES], indent=2) + "\n"
+    expected = [with_busy(MACHINES[0]), with_busy(MACHINES[1], busy=1)]
+    assert out == json.dumps(expected, indent=2) + "\n"
     assert err == ""
     assert await levers9(fake, "machine", "list") == 0
     out, err = capsys.readouterr()
     assert out.splitlines() == [
-        "POOL  NODE    GPU                CARDS T/OURS/OTHERS/FREE  "
+        "POOL  NODE    GPU                CARDS T/BUSY/IDLE/OTHERS/FREE  "
         "CPU FREE  MEM FREE  WORKER  AGE",
-        "gpu   node-7  nvidia-tesla-a100  4/0/1/3                   "
+        "gpu   node-7  nvidia-tesla-a100  4/0/0/1/3                      "
         "6000m     28.0Gi    ready   93s",
-        "gpu   node-8  -                  2/2/0/0                   1500m     1.5Gi     -       -",
+        "gpu   node-8  -                  2/1/1/0/0                      "
+        "1500m     1.5Gi     -       -",
     ]
     assert err == "pool tpu: last pass failed: cannot list nodes: 403 Forbidden\n"
 

@@ -38,7 +38,7 @@ from control.tasks.store import TaskRecord
 MODES = ("direct", "tunnel")
 CACHES = ("nodes", "pods", "jobs", "secrets")
 """The resources a pool caches (`control.kube.caches`): the `cache` label's values."""
-CARD_USES = ("total", "ours", "others", "free")
+CARD_USES = ("total", "ours", "busy", "idle", "others", "free")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PLACEMENT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
 RTT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -48,7 +48,7 @@ RTT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 class PoolFigures:
     machines: int
     cards: Mapping[str, int]
-    """By use: total, ours, others, free."""
+    """By use: total, ours (busy and idle), others, free."""
 
 
 def pool_figures(machines: MachineList) -> dict[str, PoolFigures]:

@@ -186,12 +186,14 @@ class PoolList:
 @attrs.frozen
 class CardCounts:
     """A machine's cards: all of them, those our worker holds, those other pods hold, and
-    those free."""
+    those free; ours are `busy` (held by tasks placed on our worker) or `idle`."""
 
     total: int
     ours: int
     others: int
     free: int
+    busy: int = 0
+    idle: int = 0
 
 
 @attrs.frozen

@@ -134,7 +134,8 @@ async def test_more_cards_than_any_worker_has_fails_with_the_waiting_reason(
     assert code == 1, output
     (failed,) = lines_starting(output, "FAIL GPU job (4 card(s)): ")
     assert f"task {cancelled.id} still pending after 5 s" in failed
-    assert "4 cards asked; the largest worker has 2 cards" in failed
+    assert "4 cards asked; the largest machine has 2 cards (node gpu-node-1, pool " in failed
+    assert "it waits for a node with 4 cards to join a pool" in failed
     assert "levers9 machine list" in failed
     assert "summary: 1 passed, 1 failed" in output
     assert cancelled.state == "cancelled"

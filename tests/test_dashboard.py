@@ -184,7 +184,9 @@ def drive(cluster: Cluster, chromium: str, finished: str, ticking: str) -> Seen:
             page.goto(f"{base}/ui/#/machines")
             node = page.locator("tr[data-node='gpu-node-1']")
             expect(node).to_contain_text("ready")
-            expect(node.locator(".bar .ours")).to_have_text("2")  # the worker holds both
+            # The worker holds both cards: one for the sleeping task, one idle.
+            expect(node.locator(".bar .busy")).to_have_text("1")
+            expect(node.locator(".bar .idle")).to_have_text("1")
             page.screenshot(path=str(artifacts() / "machines.png"), full_page=True)
             page.goto(f"{base}/ui/#/workers")
             expect(page.locator("tr[data-worker]")).to_contain_text("direct")
@@ -215,14 +217,19 @@ async def test_the_dashboard_shows_a_workspace_its_tasks_live_and_cancels_one(
         ticking = await client.create_task(
             TaskRequest(image=registry.busybox, command=("sh", "-c", TICKS), cards=1)
         )
+        sleeping = await client.create_task(
+            TaskRequest(image=registry.busybox, command=("sleep", "600"), cards=1)
+        )
         with trio.fail_after(60):
-            while (await client.task(ticking.id)).state is not TaskState.RUNNING:  # noqa: ASYNC110
-                await trio.sleep(0.1)
+            for task in (ticking, sleeping):
+                while (await client.task(task.id)).state is not TaskState.RUNNING:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
 
     async with open_browser_network(cluster.url) as chromium:
         seen = await trio.to_thread.run_sync(drive, cluster, chromium, done.id, ticking.id)
     async with cluster.client() as client:  # the controlplane was restarted meanwhile
         assert (await client.task(ticking.id)).state is TaskState.CANCELLED
+        await client.cancel_task(sleeping.id)
     assert "script-src 'self'" in seen.csp and "frame-ancestors 'none'" in seen.csp
     assert "not a workspace or operator token" in seen.signin_error
     assert seen.b_rows == 0 and not seen.b_saw_a

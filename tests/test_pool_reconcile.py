@@ -321,10 +321,17 @@ async def test_machine_list_through_the_controlplane_and_the_cli(
     assert machine["pool"] == "gpu"
     assert machine["node"] == "node-7"
     assert machine["gpuModel"] == "nvidia-tesla-a100"
-    assert machine["cards"] == {"total": 4, "ours": 0, "others": 1, "free": 3}
+    assert machine["cards"] == {
+        "total": 4,
+        "ours": 0,
+        "others": 1,
+        "free": 3,
+        "busy": 0,
+        "idle": 0,
+    }
     assert await trio.to_thread.run_sync(cli_main, args) == 0
     table = capsys.readouterr().out
-    assert "node-7" in table and "4/0/1/3" in table
+    assert "node-7" in table and "4/0/0/1/3" in table
 
 
 async def poll_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:

@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control.tasks.scheduler import PendingTask, WorkerCapacity, schedule
+from control.tasks.scheduler import (
+    MachineSize,
+    PendingTask,
+    WorkerCapacity,
+    beyond_every_machine,
+    schedule,
+)
 
 GIB = 1 << 30
 
@@ -440,3 +446,14 @@ def test_large_pass_timing(capsys: pytest.CaptureFixture[str]) -> None:
         )
     assert len(plan.assignments) + len(plan.waiting) == len(pending)
     assert plan.assignments, "a thousand mostly idle workers take some of the tasks"
+
+
+def test_a_task_larger_than_every_machine_names_the_largest_and_what_it_waits_for() -> None:
+    machines = [MachineSize("b", "n-2", 8), MachineSize("a", "n-9", 8), MachineSize("a", "n-1", 4)]
+    assert beyond_every_machine(9, machines) == (
+        "waiting: 9 cards asked; the largest machine has 8 cards (node n-9, pool a), and a "
+        "task never spans machines; it waits for a node with 9 cards to join a pool"
+    )
+    assert beyond_every_machine(8, machines) is None
+    assert beyond_every_machine(0, machines) is None
+    assert beyond_every_machine(9, []) is None  # no machine known here: nothing to say

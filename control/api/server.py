@@ -77,6 +77,7 @@ from control.replicas.directory import Directory
 from control.replicas.forward import Peers, is_forwarded, serve_forwarded
 from control.tasks.databases import open_task_store
 from control.tasks.dispatch import Dispatcher
+from control.tasks.scheduler import MachineSize
 from control.ui.pages import add_ui_routes
 from control.ui.session import cookie_allowed, cookie_token, csrf_refusal
 from control.workspaces import Workspaces
@@ -130,6 +131,7 @@ class Controlplane:
             await self.proxy.forget_where(lambda key: isinstance(key, tuple) and key[1] == task_id)
 
         dispatcher.on_ended.append(forget_connections)
+        dispatcher.machines = self.machine_sizes
         self._api_tokens = {t.token: t.name for t in config.api_tokens}
         self._pools: dict[str, _PoolRun] = {}
         self.config_pools: tuple[PoolConfig, ...] = ()
@@ -270,7 +272,7 @@ class Controlplane:
 
         async def list_machines(request: Request) -> MachineList:
             require_user(request)
-            return machine_list([r.status for r in self.pools])
+            return machine_list([r.status for r in self.pools], self.dispatcher.busy_cards())
 
         def joined_store() -> JoinedPoolStore:
             if self.joined is None:
@@ -373,7 +375,7 @@ class Controlplane:
         )
         self.metrics.refresh(
             counts,
-            machine_list([r.status for r in self.pools]),
+            machine_list([r.status for r in self.pools], self.dispatcher.busy_cards()),
             self.registry.list(),
             tunnels,
         )
@@ -458,6 +460,14 @@ class Controlplane:
             await self.set_config_pools(self.config_pools)
             task_status.started()
             await trio.sleep_forever()
+
+    def machine_sizes(self) -> list[MachineSize]:
+        """Every machine the pools this replica reconciles saw last, with all its cards."""
+        return [
+            MachineSize(pool=m.pool, node=m.node, cards=m.cards.total)
+            for r in self.pools
+            for m in r.status.machines
+        ]
 
     @property
     def pools(self) -> list[PoolReconciler]:
@@ -864,10 +874,14 @@ def certificate_fingerprint(config: ControlConfig) -> str:
         ) from None
 
 
-def machine_list(statuses: Sequence[PoolStatus]) -> MachineList:
-    """`GET /v1/machines` from what each pool's last pass saw. Pure."""
+def machine_list(
+    statuses: Sequence[PoolStatus], busy: Mapping[str, int] | None = None
+) -> MachineList:
+    """`GET /v1/machines` from what each pool's last pass saw, our cards split by `busy`
+    (node → cards our tasks hold there). Pure."""
+    busy = busy or {}
     return MachineList(
-        machines=tuple(_machine_view(m) for status in statuses for m in status.machines),
+        machines=tuple(_machine_view(m, busy) for status in statuses for m in status.machines),
         pools=tuple(
             PoolPass(
                 pool=status.pool,
@@ -883,14 +897,22 @@ def machine_list(statuses: Sequence[PoolStatus]) -> MachineList:
     )
 
 
-def _machine_view(machine: Machine) -> MachineView:
+def _machine_view(machine: Machine, busy: Mapping[str, int]) -> MachineView:
     cards = machine.cards
     worker = machine.worker
+    held = min(busy.get(machine.node, 0), cards.ours)
     return MachineView(
         pool=machine.pool,
         node=machine.node,
         gpu_model=machine.gpu_model,
-        cards=CardCounts(total=cards.total, ours=cards.ours, others=cards.others, free=cards.free),
+        cards=CardCounts(
+            total=cards.total,
+            ours=cards.ours,
+            others=cards.others,
+            free=cards.free,
+            busy=held,
+            idle=cards.ours - held,
+        ),
         cpu_free_millis=machine.cpu_free_millis,
         memory_free_bytes=machine.memory_free_bytes,
         worker=None

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import attrs
@@ -34,7 +34,13 @@ from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
 from agent.wire.errors import ApiError, ErrorCode, dumps
 from control.models import TaskSnapshot, TaskState, TaskView
 from control.registry import WorkerEntry, WorkerRegistry
-from control.tasks.scheduler import PendingTask, WorkerCapacity, schedule
+from control.tasks.scheduler import (
+    MachineSize,
+    PendingTask,
+    WorkerCapacity,
+    beyond_every_machine,
+    schedule,
+)
 from control.tasks.store import (
     ACTIVE_ON_WORKER,
     Cancel,
@@ -209,6 +215,9 @@ class Dispatcher:
         self.workspaces = workspaces
         self.lost_after_s = lost_after_s
         self.clock = clock
+        self.machines: Callable[[], Sequence[MachineSize]] = tuple
+        """The pools' machines (set by the controlplane): a task larger than all of them
+        waits with a reason that names the largest."""
         self.waiting: dict[str, str] = {}
         self.progress: dict[str, ContainerStatus] = {}
         self._holding: dict[str, dict[str, Hold]] = {}
@@ -421,7 +430,12 @@ class Dispatcher:
             workers,
             now,
         )
-        waiting = {w.task_id: w.reason for w in plan.waiting}
+        machines = self.machines()
+        asked = {r.id: r.spec.cards for r in pending}
+        waiting = {
+            w.task_id: beyond_every_machine(asked[w.task_id], machines) or w.reason
+            for w in plan.waiting
+        }
         if waiting != self.waiting:
             self.waiting = waiting
             self.changed()
@@ -592,6 +606,16 @@ class Dispatcher:
         self._holding.pop(worker_id, None)
         self.changed()
         self.wake()
+
+    def busy_cards(self) -> dict[str, int]:
+        """Node → the cards tasks placed on our worker there hold (their own, not the
+        worker's)."""
+        busy: dict[str, int] = {}
+        for entry in self.registry.entries():
+            held = sum(h.cards for h in self._holding.get(entry.worker_id, {}).values())
+            if entry.node is not None and held:
+                busy[entry.node] = busy.get(entry.node, 0) + held
+        return busy
 
     # -- talking to a worker ----------------------------------------------------------------
 

@@ -150,6 +150,32 @@ def schedule(
     return SchedulePlan(tuple(assignments), tuple(waiting))
 
 
+@attrs.frozen
+class MachineSize:
+    """A machine of a pool and its cards (all of them, free or not): what a worker started
+    there could hold at most."""
+
+    pool: str
+    node: str
+    cards: int
+
+
+def beyond_every_machine(cards: int, machines: Sequence[MachineSize]) -> str | None:
+    """Why a task asking `cards` cards waits for a node that no pool has yet: more cards than
+    the largest machine has. None when a machine has that many, or when none is known (the
+    pools of another replica)."""
+    if not machines or cards == 0:
+        return None
+    largest = min(machines, key=lambda m: (-m.cards, m.pool, m.node))
+    if cards <= largest.cards:
+        return None
+    return (
+        f"waiting: {_cards(cards)} asked; the largest machine has {_cards(largest.cards)} "
+        f"(node {largest.node}, pool {largest.pool}), and a task never spans machines; it "
+        f"waits for a node with {_cards(cards)} to join a pool"
+    )
+
+
 def _no_worker_reason(workers: Sequence[WorkerCapacity]) -> str:
     if not workers:
         return "waiting: no worker has joined yet"

@@ -330,8 +330,9 @@ async function taskView(id, signal) {
 }
 
 function cardBar(cards) {
-  const bar = h("div", { class: "bar", title: `${cards.total} cards: ${cards.ours} ours, ${cards.others} others, ${cards.free} free` });
-  for (const part of ["ours", "others", "free"]) {
+  // Ours are busy (our tasks hold them) or idle (our worker holds them, no task does).
+  const bar = h("div", { class: "bar", title: `${cards.total} cards: ${cards.busy} busy, ${cards.idle} idle, ${cards.others} others, ${cards.free} free` });
+  for (const part of ["busy", "idle", "others", "free"]) {
     if (!cards[part]) continue;
     const seg = h("span", { class: part, text: String(cards[part]) });
     seg.style.width = `${(100 * cards[part]) / Math.max(1, cards.total)}%`;
@@ -344,7 +345,8 @@ async function machinesView(signal) {
   setNav("machines");
   const body = h("div", {}, h("p", { class: "muted", text: "Loading…" }));
   fill(view, h("h1", { text: "Machines" }), h("p", { class: "legend" },
-    h("span", { class: "key ours", text: "ours" }), h("span", { class: "key others", text: "others" }), h("span", { class: "key free", text: "free" })), body);
+    h("span", { class: "key busy", text: "busy (our tasks)" }), h("span", { class: "key idle", text: "idle (our worker)" }),
+    h("span", { class: "key others", text: "others" }), h("span", { class: "key free", text: "free" })), body);
   while (!signal.aborted) {
     try {
       const list = await api("/v1/machines", { signal });

@@ -78,15 +78,31 @@ def mounts_under_sys(mounts: Sequence[Mount]) -> list[str]:
     return [m.point for m in mounts if m.parent_id in sys_ids and m.point != "/sys"]
 
 
-def why_not(environ: Mapping[str, str], euid: int, unshare: str | None) -> str | None:
-    """Why COMMAND runs without a namespace of its own; None when it gets one."""
+def why_not(
+    environ: Mapping[str, str], euid: int, unshare: str | None, refused: str | None = None
+) -> str | None:
+    """Why COMMAND runs without a namespace of its own; None when it gets one. `refused`:
+    what a trial `unshare` said, when it could not make the namespaces (a container without
+    the right to)."""
     if environ.get(OFF_VARIABLE, "").lower() == "off":
         return f"{OFF_VARIABLE}=off"
     if euid != 0:
         return "not root (the tests that need root skip)"
     if unshare is None:
         return "no unshare(1) on PATH (util-linux)"
+    if refused is not None:
+        return f"unshare --net --mount is not allowed here: {refused}"
     return None
+
+
+def _trial(unshare: str | None) -> str | None:
+    """What `unshare --net --mount true` said when it failed; None when it worked."""
+    if unshare is None:
+        return None
+    done = subprocess.run(
+        [unshare, "--net", "--mount", "true"], check=False, capture_output=True, text=True
+    )
+    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
 
 
 def _run(*argv: str) -> None:
@@ -155,7 +171,9 @@ def main(argv: Sequence[str]) -> int:
         print("usage: python -m sim.isolation -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     command = argv[1:]
-    reason = why_not(os.environ, os.geteuid(), shutil.which("unshare"))
+    unshare_path = shutil.which("unshare")
+    refused = _trial(unshare_path) if os.geteuid() == 0 else None
+    reason = why_not(os.environ, os.geteuid(), unshare_path, refused)
     if reason is not None:
         print(f"isolation: running {command[0]} on the host's own network ({reason})", flush=True)
         os.execvp(command[0], list(command))

@@ -52,6 +52,9 @@ def test_a_run_says_why_it_shares_the_host_network() -> None:
     assert why_not({"LEVERS9_ISOLATION": "OFF"}, 0, "/usr/bin/unshare") == "LEVERS9_ISOLATION=off"
     assert "not root" in str(why_not({}, 1000, "/usr/bin/unshare"))
     assert "unshare" in str(why_not({}, 0, None))
+    said = "unshare: unshare failed: Operation not permitted"
+    refused = why_not({}, 0, "/usr/bin/unshare", said)
+    assert refused == f"unshare --net --mount is not allowed here: {said}"
 
 
 SAME_NAMES = """

@@ -5,23 +5,24 @@
 #
 # Every job is submitted with --detach and followed by reading its task record, never through
 # `levers9 run`'s own wait: that wait is shorter than a cold start (the image pull), so it may
-# print DEADLINE_EXCEEDED while the task goes on and succeeds. The token stays in the
-# environment: the CLI reads LEVERS9_TOKEN itself and curl gets its header on stdin, so it
-# appears in no process's arguments.
+# print DEADLINE_EXCEEDED while the task goes on and succeeds. The controlplane and token are
+# LEVERS9_CONTROLPLANE and LEVERS9_TOKEN when exported, else the CLI's current context (what
+# `levers9 login` stored). The token never appears in a process's arguments: the CLI reads it
+# itself, and curl gets its header on stdin.
 set -euo pipefail
 
 usage() {
     cat <<'USAGE'
 Usage: deploy/check-pool.sh [options]
 
-Checks that the pool behind LEVERS9_CONTROLPLANE takes work, step by step, printing
+Checks that the pool behind the controlplane takes work, step by step, printing
 "ok   <step>" or "FAIL <step>: <why and what to do>" and a summary. Exit 0 only when every
 step passes, 1 when one fails, 2 for a mistake on the command line.
 
   1. machines      `levers9 machine list` shows at least one machine
   2. GPU job       a job with --gpus N cards succeeds and sees N cards
 With --full, also:
-  3. endpoint      HTTP/2 GET through $LEVERS9_CONTROLPLANE/v1/tasks/ID/ports/8080/ gives 200
+  3. endpoint      HTTP/2 GET through the controlplane's /v1/tasks/ID/ports/8080/ gives 200
   4. box port      a line sent through `levers9 port ID 9000` comes back
   5. snapshot      a file a task wrote is there in a task started from its snapshot
   6. multi-card    a job with --multi cards succeeds and sees them all
@@ -46,7 +47,8 @@ Options:
   --keep              leave the tasks it started running (default: cancel them on exit)
   -h, --help          show this help
 
-Environment:
+Environment (without LEVERS9_CONTROLPLANE and LEVERS9_TOKEN, the CLI's current context,
+as `levers9 login URL --ca FILE` stored it, is used):
   LEVERS9_CONTROLPLANE  the controlplane's URL (https://...)
   LEVERS9_TOKEN         a workspace token; read by the CLI and sent to the endpoint by curl
                         through its stdin, never on a command line
@@ -143,13 +145,16 @@ if ! command -v "${CLI[0]}" >/dev/null 2>&1; then
         "LEVERS9_CLI at it" >&2
     exit 2
 fi
-for name in LEVERS9_CONTROLPLANE LEVERS9_TOKEN; do
-    # Only the variable's name is ever printed, never its value.
-    if [[ -z "${!name:-}" ]]; then
-        echo "check-pool.sh: $name is not set; export it (see 'check-pool.sh --help')" >&2
-        exit 2
-    fi
-done
+if [[ -n "${LEVERS9_CONTROLPLANE:-}${LEVERS9_TOKEN:-}" ]]; then
+    for name in LEVERS9_CONTROLPLANE LEVERS9_TOKEN; do
+        # Only the variable's name is ever printed, never its value.
+        if [[ -z "${!name:-}" ]]; then
+            echo "check-pool.sh: $name is not set; export both LEVERS9_CONTROLPLANE and" \
+                "LEVERS9_TOKEN, or neither to use the CLI's context (see 'check-pool.sh --help')" >&2
+            exit 2
+        fi
+    done
+fi
 TOOLS=(python3)
 if $FULL; then
     TOOLS+=(curl)
@@ -204,6 +209,37 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+
+# Where to reach the controlplane, as whom: the environment, else the CLI's current context
+# (its CA into a file of the work dir; the token only in this shell's memory).
+if [[ -n "${LEVERS9_CONTROLPLANE:-}" ]]; then
+    CP_URL="$LEVERS9_CONTROLPLANE"
+    CP_TOKEN="$LEVERS9_TOKEN"
+    CP_CA="${LEVERS9_CA:-}"
+else
+    # The context's JSON goes from the CLI to python3 through a pipe: never a file.
+    CP_URL="" CP_TOKEN="" CP_CA=""
+    {
+        read -r CP_URL || true
+        read -r CP_TOKEN || true
+        read -r CP_CA || true
+    } < <("${CLI[@]}" context show --token 2>"$WORK/context.err" | python3 -c '
+import json, sys
+context = json.load(sys.stdin)
+ca = sys.argv[1] if context.get("ca") else ""
+if ca:
+    open(ca, "w").write(context["ca"])
+print(context["controlplane"])
+print(context["token"])
+print(ca)
+' "$WORK/ca.pem" 2>/dev/null)
+    if [[ -z "$CP_URL" || -z "$CP_TOKEN" ]]; then
+        why="$(tail -n 1 "$WORK/context.err")"
+        echo "check-pool.sh: no controlplane to check${why:+: $why}; log in with" \
+            "'levers9 login URL --ca FILE', or export LEVERS9_CONTROLPLANE and LEVERS9_TOKEN" >&2
+        exit 2
+    fi
+fi
 
 l9() {
     "${CLI[@]}" "$@"
@@ -314,8 +350,9 @@ start() {
 check_machines() {
     local listing count
     if ! l9 machine list >"$WORK/machines" 2>"$WORK/machines.err"; then
-        fail "machine list" "$(last_line "$WORK/machines.err"); check LEVERS9_CONTROLPLANE, \
-LEVERS9_TOKEN (a workspace token) and LEVERS9_CA"
+        fail "machine list" "$(last_line "$WORK/machines.err"); check the controlplane, the \
+token (a workspace token) and the CA: LEVERS9_CONTROLPLANE, LEVERS9_TOKEN and LEVERS9_CA, or the \
+CLI's context ('levers9 context list')"
         return 1
     fi
     detail <"$WORK/machines"
@@ -386,15 +423,15 @@ check_endpoint() {
         --port 8080 --port 9000 "$SERVE_IMAGE" -- sh -c "$SERVE_CMD" || return 1
     id="$TASK_ID"
     SERVER_ID="$id"
-    url="${LEVERS9_CONTROLPLANE%/}/v1/tasks/$id/ports/8080/"
+    url="${CP_URL%/}/v1/tasks/$id/ports/8080/"
     local args=(--http2 --silent --show-error --max-time 10 --output "$WORK/page"
         --write-out '%{http_code} %{http_version}')
-    [[ -z "${LEVERS9_CA:-}" ]] || args+=(--cacert "$LEVERS9_CA")
+    [[ -z "$CP_CA" ]] || args+=(--cacert "$CP_CA")
     # The server may still be starting inside the task: retry for a while.
     deadline=$((SECONDS + 60))
     while :; do
         # printf is a builtin: the header reaches curl on stdin, not in any argv.
-        read -r code version < <(printf 'Authorization: Bearer %s\n' "$LEVERS9_TOKEN" |
+        read -r code version < <(printf 'Authorization: Bearer %s\n' "$CP_TOKEN" |
             curl "${args[@]}" -H @- "$url" 2>"$WORK/curl.err" || true) || true
         [[ "$code" != 200 && $SECONDS -lt $deadline ]] || break
         sleep 1
@@ -504,7 +541,7 @@ $digest was restored without it"
 
 # -- run -----------------------------------------------------------------------------------------
 
-echo "checking the pool behind $LEVERS9_CONTROLPLANE"
+echo "checking the pool behind $CP_URL"
 if check_machines; then
     check_gpu_job "GPU job ($GPUS card(s))" "$GPUS" || true
     if $FULL; then

@@ -34,11 +34,24 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "deploy" / "check-pool.sh"
 
 
-async def check_pool(cluster: Cluster, *args: str, token: str | None = None) -> tuple[int, str]:
-    """Run the script as an operator would; its exit code and its output (stdout, stderr)."""
+async def check_pool(
+    cluster: Cluster, *args: str, token: str | None = None, logged_in: Path | None = None
+) -> tuple[int, str]:
+    """Run the script as an operator would; its exit code and its output (stdout, stderr).
+    With `logged_in` (a contexts file), the operator ran `levers9 login` and exported
+    nothing."""
     env = {**cluster.cli_env(), "LEVERS9_CLI": f"{sys.executable} -m control.cli"}
     if token is not None:
         env["LEVERS9_TOKEN"] = token
+    secret = env["LEVERS9_TOKEN"]
+    if logged_in is not None:
+        env["LEVERS9_CONFIG"] = str(logged_in)
+        login = [sys.executable, "-m", "control.cli", "login", cluster.url]
+        await trio.run_process(
+            [*login, "--ca", env["LEVERS9_CA"]], env=env, stdin=f"{secret}\n".encode()
+        )
+        for name in ("LEVERS9_CONTROLPLANE", "LEVERS9_TOKEN", "LEVERS9_CA"):
+            del env[name]
     with trio.fail_after(240):  # a guard against a hang, not a timing goal
         result = await trio.run_process(
             ["bash", str(SCRIPT), *args],
@@ -49,8 +62,8 @@ async def check_pool(cluster: Cluster, *args: str, token: str | None = None) -> 
             check=False,
         )
     output = result.stdout.decode() + result.stderr.decode()
-    # The token is in the environment only: nothing the script prints carries it.
-    assert env["LEVERS9_TOKEN"] not in output
+    # Nothing the script prints carries the token.
+    assert secret not in output
     return result.returncode, output
 
 
@@ -85,6 +98,8 @@ async def test_the_full_check_passes_on_a_tunnel_pool(
     tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
 ) -> None:
     async with open_node_cluster(tmp_path / "cluster", kube, 2, tunnel=True) as cluster:
+        # Logged in with the CLI, nothing exported: the endpoint's GET takes the context's
+        # controlplane, CA and token.
         code, output = await check_pool(
             cluster,
             "--full",
@@ -94,6 +109,7 @@ async def test_the_full_check_passes_on_a_tunnel_pool(
             registry.busybox,
             "--serve-image",
             registry.busybox,
+            logged_in=tmp_path / "levers9-config",
         )
         tasks = await all_tasks(cluster)
     assert code == 0, output

@@ -368,6 +368,26 @@ async def test_token_flag_warns_on_a_terminal_only(
     assert token_flag_warning(args, io.StringIO(), io.StringIO()) is None
 
 
+async def test_context_show_gives_a_script_the_controlplane_and_the_token_only_when_asked(
+    fake: FakeControlplane, cli: Cli
+) -> None:
+    assert (await cli.login(fake, "--context", "one")).code == 0
+    shown = await cli.run("context", "show")
+    assert shown.code == 0, shown.err
+    assert json.loads(shown.out) == {
+        "name": "one",
+        "controlplane": fake.url,
+        "ca": Path(fake.ca).read_text(),
+        "current": True,
+    }
+    code = await trio.to_thread.run_sync(main, ["context", "show", "one", "--token"])
+    out, err = cli.capsys.readouterr()
+    assert code == 0 and err == ""
+    assert json.loads(out)["token"] == TOKEN
+    missing = await cli.run("context", "show", "two")
+    assert missing.code == 1 and "no context 'two'" in missing.err
+
+
 def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
     # `levers9 context list | head -1`, with more contexts than a pipe holds.
     path = tmp_path / "config"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import json
 import os
 import sys
 import urllib.parse
@@ -126,6 +127,29 @@ async def context_list(args: argparse.Namespace) -> None:
         ]
 
     show_list(args.json, summaries(file), CONTEXT_HEADERS, row)
+
+
+async def context_show(args: argparse.Namespace) -> None:
+    """One context as JSON, for scripts (`deploy/check-pool.sh`): its controlplane and CA,
+    and its token only when asked for with --token (it then goes to stdout, as `kubectl config
+    view --raw` does; never to stderr or a log)."""
+    file, _ = _file()
+    if args.name is not None:
+        context = file.get(args.name)
+    else:
+        found = file.current()
+        if found is None:
+            raise CliError("no context is current: log in with 'levers9 login URL --ca FILE'")
+        context = found
+    shown: dict[str, object] = {
+        "name": context.name,
+        "controlplane": context.controlplane,
+        "ca": context.ca,
+        "current": context.name == file.current_context,
+    }
+    if args.token:
+        shown["token"] = context.token
+    print(json.dumps(shown, indent=2))
 
 
 async def context_use(args: argparse.Namespace) -> None:

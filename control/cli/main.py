@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     xls = xsub.add_parser("list", help="list contexts; * marks the current one")
     xls.add_argument("--json", action="store_true")
     xls.set_defaults(func="login:context_list")
+    xshow = xsub.add_parser("show", help="one context as JSON (the current one by default)")
+    xshow.add_argument("name", metavar="NAME", nargs="?")
+    xshow.add_argument(
+        "--token", action="store_true", help="include its token (printed on stdout, for scripts)"
+    )
+    xshow.set_defaults(func="login:context_show")
     xuse = xsub.add_parser("use", help="make a context the current one")
     xuse.add_argument("name", metavar="NAME")
     xuse.set_defaults(func="login:context_use")

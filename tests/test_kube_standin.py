@@ -291,7 +291,7 @@ def test_large_list_timing(tmp_path: Path) -> None:
         from sim.kubeapi.store import synthetic_cluster
 
         started = time.perf_counter()
-        synthetic_cluster(kube, nodes=5000, pods_per_node=20)
+        synthetic_cluster(kube, nodes=1000, pods_per_node=20)
         filled = time.perf_counter()
         headers = {"Authorization": f"Bearer {kube.token}"}
         with httpx.Client(verify=kube.ssl_context(), headers=headers, timeout=60) as http:
@@ -299,11 +299,11 @@ def test_large_list_timing(tmp_path: Path) -> None:
             listed_nodes = time.perf_counter()
             pods = http.get(f"{kube.url}/api/v1/pods")
             listed_pods = time.perf_counter()
-        assert len(nodes.json()["items"]) == 5000
-        assert len(pods.json()["items"]) == 100_000
+        assert len(nodes.json()["items"]) == 1000
+        assert len(pods.json()["items"]) == 20_000
         print(
-            f"\nfill {filled - started:.2f}s; list 5,000 nodes {listed_nodes - filled:.2f}s "
-            f"({len(nodes.content) / 1e6:.1f} MB); list 100,000 pods "
+            f"\nfill {filled - started:.2f}s; list 1,000 nodes {listed_nodes - filled:.2f}s "
+            f"({len(nodes.content) / 1e6:.1f} MB); list 20,000 pods "
             f"{listed_pods - listed_nodes:.2f}s ({len(pods.content) / 1e6:.1f} MB)"
         )
     finally:

@@ -261,7 +261,7 @@ async def _show_dashboard(cluster: Cluster, workdir: Path, keep: bool) -> None:
     for line in sign_in_lines(cluster.url, cluster.pki.ca_file, tokens):
         say(line)
     if not keep:
-        say("  `make demo KEEP=1` keeps it up after the demo, until Ctrl-C")
+        say("  (all of this stops with the demo now: `make demo KEEP=1` keeps it up, until Ctrl-C)")
         return
     say("  up until Ctrl-C ...")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

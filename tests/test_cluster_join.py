@@ -10,7 +10,7 @@ import base64
 import json
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -200,9 +200,10 @@ async def test_a_joined_cluster_runs_tasks_with_least_rights_and_survives_a_rest
         assert denied.value.status == 401
 
 
-async def test_join_refuses_before_touching_the_cluster(
-    tmp_path: Path, kube: KubeStandin, kubeconfig: Path, in_pod: Path
-) -> None:
+@pytest.fixture
+async def configured(tmp_path: Path, kube: KubeStandin, in_pod: Path) -> AsyncIterator[Cluster]:
+    """A controlplane with one configured pool (`config-pool`, in namespace levers9) that
+    keeps joined pools; no nodes."""
     async with open_cluster(
         tmp_path / "cluster",
         kube,
@@ -210,52 +211,51 @@ async def test_join_refuses_before_touching_the_cluster(
         pools=[PoolSpec("config-pool")],
         joined_pools={"inCluster": True},
     ) as cluster:
-        # A workspace token is not an operator token.
-        denied = await join(cluster, kubeconfig, workspace="team-a", check=False)
-        assert denied.returncode == 1
-        assert "PERMISSION_DENIED" in denied.stderr.decode()
-        # A configured pool's name is not taken over.
-        clash = await join(cluster, kubeconfig, name="config-pool", check=False)
-        assert clash.returncode == 1
-        assert "comes from config.worker.pools" in clash.stderr.decode()
-        # hostNetwork false needs the tunnel.
-        usage = await join(cluster, kubeconfig, "--no-host-network", check=False)
-        assert usage.returncode == 2
-        assert "--no-host-network needs --tunnel" in usage.stderr.decode()
-        # (the namespace is the configured pool's; the join made nothing)
-        assert kube.get("serviceaccounts", "levers9-controlplane", "levers9") is None
-        assert kube.get("clusterroles", "levers9-controlplane-levers9") is None
+        yield cluster
+
+
+async def test_join_refuses_before_touching_the_cluster(
+    configured: Cluster, kube: KubeStandin, kubeconfig: Path
+) -> None:
+    # A workspace token is not an operator token.
+    denied = await join(configured, kubeconfig, workspace="team-a", check=False)
+    assert denied.returncode == 1
+    assert "PERMISSION_DENIED" in denied.stderr.decode()
+    # A configured pool's name is not taken over.
+    clash = await join(configured, kubeconfig, name="config-pool", check=False)
+    assert clash.returncode == 1
+    assert "comes from config.worker.pools" in clash.stderr.decode()
+    # hostNetwork false needs the tunnel.
+    usage = await join(configured, kubeconfig, "--no-host-network", check=False)
+    assert usage.returncode == 2
+    assert "--no-host-network needs --tunnel" in usage.stderr.decode()
+    # (the namespace is the configured pool's; the join made nothing)
+    assert kube.get("serviceaccounts", "levers9-controlplane", "levers9") is None
+    assert kube.get("clusterroles", "levers9-controlplane-levers9") is None
 
 
 async def test_leave_keeps_a_namespace_that_configured_pools_share_and_changes_nothing(
-    tmp_path: Path, kube: KubeStandin, kubeconfig: Path, in_pod: Path
+    configured: Cluster, kube: KubeStandin, kubeconfig: Path
 ) -> None:
-    async with open_cluster(
-        tmp_path / "cluster",
-        kube,
-        nodes=[],
-        pools=[PoolSpec("config-pool")],
-        joined_pools={"inCluster": True},
-    ) as cluster:
-        await join(cluster, kubeconfig)
-        leave = ("cluster", "leave", "gpus", "--kubeconfig", str(kubeconfig))
-        refused = await cluster.cli(*leave, "--delete-namespace", workspace="operator", check=False)
-        assert refused.returncode == 1
-        said = refused.stderr.decode()
-        assert "namespace levers9 is kept" in said
-        assert "pools config-pool (config) are set to namespace levers9" in said
-        assert "without --delete-namespace" in said
-        # Nothing was changed: the pool, the namespace and the joined pool's access are there.
-        listed = json.loads(
-            (await cluster.cli("cluster", "list", "--json", workspace="operator")).stdout
-        )
-        assert sorted(p["name"] for p in listed) == ["config-pool", "gpus"]
-        assert kube.get("namespaces", "levers9") is not None
-        assert kube.get("serviceaccounts", SERVICE_ACCOUNT, "levers9") is not None
+    await join(configured, kubeconfig)
+    leave = ("cluster", "leave", "gpus", "--kubeconfig", str(kubeconfig))
+    refused = await configured.cli(*leave, "--delete-namespace", workspace="operator", check=False)
+    assert refused.returncode == 1
+    said = refused.stderr.decode()
+    assert "namespace levers9 is kept" in said
+    assert "pools config-pool (config) are set to namespace levers9" in said
+    assert "without --delete-namespace" in said
+    # Nothing was changed: the pool, the namespace and the joined pool's access are there.
+    listed = json.loads(
+        (await configured.cli("cluster", "list", "--json", workspace="operator")).stdout
+    )
+    assert sorted(p["name"] for p in listed) == ["config-pool", "gpus"]
+    assert kube.get("namespaces", "levers9") is not None
+    assert kube.get("serviceaccounts", SERVICE_ACCOUNT, "levers9") is not None
 
-        left = await cluster.cli(*leave, workspace="operator")
-        assert f"serviceaccount levers9/{SERVICE_ACCOUNT}: deleted" in left.stderr.decode()
-        assert kube.get("namespaces", "levers9") is not None
+    left = await configured.cli(*leave, workspace="operator")
+    assert f"serviceaccount levers9/{SERVICE_ACCOUNT}: deleted" in left.stderr.decode()
+    assert kube.get("namespaces", "levers9") is not None
 
 
 async def test_join_with_an_identity_that_may_not_create_roles_says_so(

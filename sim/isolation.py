@@ -187,7 +187,8 @@ def main(argv: Sequence[str]) -> int:
         # passed on. Either way this process waits for it, to remove the cgroups after.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
-        return child.wait()
+        code = child.wait()
+        return 128 - code if code < 0 else code  # ended by a signal: as a shell reports it
     finally:
         for line in _remove_cgroups(hierarchies, run_id):
             print(f"isolation: cgroup left: {line}", file=sys.stderr)

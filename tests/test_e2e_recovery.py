@@ -111,14 +111,14 @@ async def test_a_killed_worker_loses_its_task_and_a_new_worker_appears(
 async def test_a_multi_card_task_waits_for_one_worker_with_enough_cards(
     mode: str, tmp_path: Path, kube: KubeStandin, registry: SharedRegistry
 ) -> None:
-    # A model server holds 2 of the node's 4 cards: the worker gets the other 2.
+    # A model server holds 2 of the node's 4 cards: the worker gets the other 2. The worker
+    # idles out only after the pool's idleMinutes (5), far beyond this test.
     kube.add_pod(make_pod("model-server", "gpu-node-1", gpu_limit=2))
     async with open_node_cluster(
         tmp_path / "cluster",
         kube,
         4,
         tunnel=mode == "tunnel",
-        agent_env={"LEVERS9_IDLE_S": "3"},
     ) as cluster:
         with trio.fail_after(120):
             (first,) = await cluster.wait_workers(1)
@@ -126,19 +126,27 @@ async def test_a_multi_card_task_waits_for_one_worker_with_enough_cards(
                 task = await client.create_task(
                     TaskRequest(image=registry.busybox, command=("true",), cards=3)
                 )
-                # The first worker may have idled out already (3 s) and its successor not yet
-                # joined: then the task waits for any worker, and next for one with 3 cards.
                 view = await wait_waiting(client, task.id, "3 cards")
                 assert view.state == "pending"
                 reason = view.waiting or ""
                 assert "never split" in reason, reason
-                # The model server scales down: the idle worker winds down, the next one takes
-                # every card, and the task runs there.
+                # The model server scales down: the idle 2-card worker is retired at once, the
+                # next one takes every card, and the task runs there.
                 kube.remove_pod("model-server")
                 done = await client.wait_task(task.id)
         assert done.state == "succeeded", done
         assert done.worker != first
         assert len(done.card_ids) == 3
+        # The operator can see why the first worker went (`kubectl describe job`).
+        deleted = [
+            e["message"]
+            for e in kube.objects("events", "levers9")
+            if e["involvedObject"]["name"] == first and e["reason"] == "Deleted"
+        ]
+        assert deleted == [
+            f"deleted: retired while idle: task {task.id} asks 3 cards, and this worker's "
+            "2 cards with the 2 now free on node gpu-node-1 make 4"
+        ], deleted
 
 
 async def test_a_task_past_its_timeout_is_stopped(

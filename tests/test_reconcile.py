@@ -629,3 +629,26 @@ def test_planned_job_round_trips_through_its_manifest() -> None:
     ).job
     again = plan_pool(SETTINGS, [node()], [], [job], [], NOW)
     assert again.actions == ()
+
+
+def test_a_retired_idle_worker_is_deleted_and_its_node_waits_for_its_pod_to_go() -> None:
+    # Our 2-card worker on a 4-card node whose other 2 cards are free now.
+    job = job_for("n1", 0)
+    name = job["metadata"]["name"]
+    pods = [pod(gpus=2, ours=True, job=name)]
+    kept = plan_pool(SETTINGS, [node()], pods, [job], [], NOW)
+    assert kept.actions == ()
+    assert kept.machines[0].worker is not None and kept.machines[0].worker.name == name
+
+    why = "retired while idle: task t1 asks 3 cards"
+    plan = plan_pool(SETTINGS, [node()], pods, [job], [], NOW, retire={name: why})
+    assert plan.actions == (DeleteJob(name, why, "n1"),)
+    # While its pod holds the 2 cards no next worker is made for the other 2 alone.
+    worker = plan.machines[0].worker
+    assert worker is not None and worker.state == "stopping"
+    # Once the pod is gone, the next one takes all 4.
+    record = WorkerRecord(name, "n1", WorkerState.READY, NOW - 60, last_heartbeat=NOW - 5)
+    after = plan_pool(SETTINGS, [node()], [], [], [record], NOW, retire={name: why})
+    assert [(c.name, c.cards) for c in _creates(after.actions)] == [
+        (job_name(SETTINGS.name, "n1", 1), 4)
+    ]

@@ -15,6 +15,7 @@ from control.tasks.scheduler import (
     PendingTask,
     WorkerCapacity,
     beyond_every_machine,
+    idle_workers_to_retire,
     schedule,
 )
 
@@ -457,3 +458,74 @@ def test_a_task_larger_than_every_machine_names_the_largest_and_what_it_waits_fo
     assert beyond_every_machine(8, machines) is None
     assert beyond_every_machine(0, machines) is None
     assert beyond_every_machine(9, []) is None  # no machine known here: nothing to say
+
+
+def machine(id: str, cards: int, free: int, worker: str | None = None) -> MachineSize:
+    """The machine of `worker(id)`: its node, with `free` cards no pod holds."""
+    return MachineSize("gpu", f"node-{id}", cards, free=free, worker=id if worker is None else worker)
+
+
+def test_an_idle_worker_whose_cards_and_the_free_ones_fit_a_waiting_task_is_retired() -> None:
+    # A 4-card node: our idle worker holds 2 cards, the 2 a model server held are free now.
+    retire = idle_workers_to_retire(
+        [task("big", 0, cards=3)],
+        [worker("w1", cards=2, cards_total=2)],
+        busy=(),
+        machines=[machine("w1", 4, free=2)],
+    )
+    assert [(r.worker_id, r.node, r.task_id) for r in retire] == [("w1", "node-w1", "big")]
+    (only,) = retire
+    assert only.waiting == (
+        "waiting: 3 cards asked; the idle worker on node node-w1 (2 cards) is being replaced "
+        "by one with all 4 free cards there"
+    )
+    assert "task big asks 3 cards" in only.why
+
+
+@pytest.mark.parametrize(
+    ("asked", "workers", "busy", "machines", "promised"),
+    [
+        # The worker holds a task: it is not idle.
+        (3, [worker("w1", cards=1, cards_total=2)], {"w1"}, [machine("w1", 4, 2)], ()),
+        # Its cards and the free ones are still too few.
+        (4, [worker("w1", cards=2, cards_total=2)], (), [machine("w1", 4, 1)], ()),
+        # The task fits the worker as it is (it waits for CPU or memory, not cards).
+        (2, [worker("w1", cards=2, cards_total=2)], (), [machine("w1", 4, 2)], ()),
+        # Not ready, or draining.
+        (3, [worker("w1", cards=2, ready=False)], (), [machine("w1", 4, 2)], ()),
+        (3, [worker("w1", cards=2, draining=True)], (), [machine("w1", 4, 2)], ()),
+        # Its node is no machine of a pool here (another replica's pool), or another worker
+        # is ours there.
+        (3, [worker("w1", cards=2)], (), [], ()),
+        (3, [worker("w1", cards=2)], (), [machine("w1", 4, 2, worker="w9")], ()),
+        # The task was promised a retirement already (its new worker is on the way).
+        (3, [worker("w1", cards=2)], (), [machine("w1", 4, 2)], {"t"}),
+    ],
+)
+def test_no_worker_is_retired_when_it_would_not_make_room(
+    asked: int,
+    workers: list[WorkerCapacity],
+    busy: set[str],
+    machines: list[MachineSize],
+    promised: set[str],
+) -> None:
+    assert (
+        idle_workers_to_retire(
+            [task("t", 0, cards=asked)], workers, busy=busy, machines=machines, promised=promised
+        )
+        == ()
+    )
+
+
+def test_retirement_is_best_fit_and_one_worker_per_task() -> None:
+    workers = [worker("w1", cards=2), worker("w2", cards=2), worker("w3", cards=1)]
+    machines = [machine("w1", 8, 6), machine("w2", 4, 2), machine("w3", 4, 3)]
+    retire = idle_workers_to_retire(
+        [task("a", 0, cards=3), task("b", 1, cards=4), task("c", 2, cards=4)],
+        workers,
+        busy=(),
+        machines=machines,
+    )
+    # a: w2 (2 + 2 = 4) before w3 (1 + 3 = 4) by node name, w1's 8 kept for bigger ones; b: w3
+    # (4); c: w1 (8), the only one left.
+    assert [(r.task_id, r.worker_id) for r in retire] == [("a", "w2"), ("b", "w3"), ("c", "w1")]

@@ -77,7 +77,7 @@ from control.replicas.directory import Directory
 from control.replicas.forward import Peers, is_forwarded, serve_forwarded
 from control.tasks.databases import open_task_store
 from control.tasks.dispatch import Dispatcher
-from control.tasks.scheduler import MachineSize
+from control.tasks.scheduler import MachineSize, Retire
 from control.ui.pages import add_ui_routes
 from control.ui.session import cookie_allowed, cookie_token, csrf_refusal
 from control.workspaces import Workspaces
@@ -132,6 +132,7 @@ class Controlplane:
 
         dispatcher.on_ended.append(forget_connections)
         dispatcher.machines = self.machine_sizes
+        dispatcher.retire = self.retire_worker
         self._api_tokens = {t.token: t.name for t in config.api_tokens}
         self._pools: dict[str, _PoolRun] = {}
         self.config_pools: tuple[PoolConfig, ...] = ()
@@ -464,10 +465,25 @@ class Controlplane:
     def machine_sizes(self) -> list[MachineSize]:
         """Every machine the pools this replica reconciles saw last, with all its cards."""
         return [
-            MachineSize(pool=m.pool, node=m.node, cards=m.cards.total)
+            MachineSize(
+                pool=m.pool,
+                node=m.node,
+                cards=m.cards.total,
+                free=m.cards.free,
+                worker=m.worker.name if m.worker is not None else "",
+            )
             for r in self.pools
             for m in r.status.machines
         ]
+
+    def retire_worker(self, retire: Retire) -> bool:
+        """Have the pool that runs this idle worker delete it now (the dispatcher's choice);
+        False when no pool of this replica does."""
+        for reconciler in self.pools:
+            if reconciler.settings.name == retire.pool:
+                reconciler.retire(retire.worker_id, retire.why)
+                return True
+        return False
 
     @property
     def pools(self) -> list[PoolReconciler]:

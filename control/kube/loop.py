@@ -250,6 +250,14 @@ class PoolReconciler:
         """Writes of this reconciler its caches have not shown yet; their nodes are held."""
         self.failures: dict[str, KeyFailure] = {}
         """Nodes whose last write failed, retried each on its own backoff."""
+        self.retiring: dict[str, str] = {}
+        """Idle workers to delete at the next pass, and why (`retire`)."""
+
+    def retire(self, worker: str, reason: str) -> None:
+        """Delete this idle worker's Job at the next pass (now), so that its node's next
+        worker takes its cards and the free ones together; `reason` goes in the Job's Event."""
+        self.retiring[worker] = reason
+        self._wake()
 
     # -- what wakes a pass ------------------------------------------------------------------
 
@@ -431,6 +439,9 @@ class PoolReconciler:
         await self._adopt_tokens(jobs)
         await self._note_finished(jobs)
         self._fold_in(jobs, now)
+        active = {job.name for job in jobs if job.active}
+        for gone in set(self.retiring) - active:
+            del self.retiring[gone]
         held = self._held()
         plan = plan_pool(
             self.settings,
@@ -442,6 +453,7 @@ class PoolReconciler:
             held=held,
             secrets=secrets,
             tokens={job.name for job in jobs if self.registry.has_token(job.name)},
+            retire=self.retiring,
         )
         counts.machines = len(plan.machines)
         counts.skipped = len(plan.skipped)

@@ -372,6 +372,8 @@ class WorkerRecord:
 class WorkerView:
     state: WorkerState
     age_seconds: float
+    name: str = ""
+    """Its Job's name (the worker's id); empty for a pod left of a deleted Job."""
 
 
 @attrs.frozen
@@ -460,6 +462,9 @@ class JobFacts:
     active: bool
     pool: str = ""
     uid: str = ""
+    pods: int = 0
+    """Its pods that exist and have not ended, pending or running (`status.active`): 0 for a
+    live Job whose pods the cluster refuses (`control.kube.podsecurity`)."""
 
 
 _SHOWN_LABELS = frozenset({"kubernetes.io/hostname", *GPU_MODEL_LABELS})
@@ -533,7 +538,15 @@ def job_facts(job: Mapping[str, Any]) -> JobFacts | None:
         active=job_active(job),
         pool=str(labels.get(POOL_LABEL, "")),
         uid=str(metadata.get("uid", "")),
+        pods=_count((job.get("status") or {}).get("active")),
     )
+
+
+def _count(value: Any) -> int:
+    try:
+        return max(int(value or 0), 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def is_our_worker(obj: Mapping[str, Any]) -> bool:
@@ -710,6 +723,7 @@ def plan_pool(
     held: Collection[str] = (),
     secrets: Collection[str] | None = None,
     tokens: Collection[str] = (),
+    retire: Mapping[str, str] | None = None,
 ) -> Plan:
     """One reconcile pass for one pool.
 
@@ -731,6 +745,9 @@ def plan_pool(
       one whose pod holds cards, else the one whose worker registered, else the oldest;
     - with `secrets` (the token Secrets' names): an active Job whose Secret is missing gets
       it again when this controlplane holds its token (`tokens`: the Jobs' names).
+    - `retire` (Job name → why) names idle workers the dispatcher gave up so that a waiting
+      task can have their cards and the node's free ones together: each such active Job is
+      deleted, and its node gets the next worker, for every free card, once the pod is gone.
 
     Nodes in `held` get no action at all this pass (a write for them was not observed yet, or
     failed and waits for its retry); the plan names those that wanted one.
@@ -757,6 +774,9 @@ def plan_pool(
             actions.append(
                 DeleteJob(job.name, f"no heartbeat for {int(now - record.last_seen())} s", job.node)
             )
+            continue
+        if job.active and retire is not None and job.name in retire:
+            actions.append(DeleteJob(job.name, retire[job.name], job.node))
             continue
         if job.active:
             live_jobs.setdefault(job.node, []).append(job)
@@ -907,7 +927,7 @@ def _worker_view(
     else:
         since = job.created_at if job.created_at is not None else now
         state = WorkerState.PENDING
-    return WorkerView(state, max(now - since, 0.0))
+    return WorkerView(state, max(now - since, 0.0), job.name)
 
 
 # --- the worker Job -------------------------------------------------------------------------

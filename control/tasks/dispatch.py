@@ -37,8 +37,11 @@ from control.registry import WorkerEntry, WorkerRegistry
 from control.tasks.scheduler import (
     MachineSize,
     PendingTask,
+    Retire,
+    SchedulePlan,
     WorkerCapacity,
     beyond_every_machine,
+    idle_workers_to_retire,
     schedule,
 )
 from control.tasks.store import (
@@ -218,6 +221,14 @@ class Dispatcher:
         self.machines: Callable[[], Sequence[MachineSize]] = tuple
         """The pools' machines (set by the controlplane): a task larger than all of them
         waits with a reason that names the largest."""
+        self.retire: Callable[[Retire], bool] = lambda retire: False
+        """Ask the pool that runs the worker to delete it (set by the controlplane); False when
+        no pool here runs it."""
+        self._retiring: dict[str, Retire] = {}
+        """Task id → the idle worker given up for it, until the task no longer waits or the
+        worker's successor registered."""
+        self._retired: set[str] = set()
+        """Workers given up: none takes a task again (their Jobs are being deleted)."""
         self.waiting: dict[str, str] = {}
         self.progress: dict[str, ContainerStatus] = {}
         self._holding: dict[str, dict[str, Hold]] = {}
@@ -414,26 +425,32 @@ class Dispatcher:
         now = self.clock()
         workers = capacities(self.registry.owned_entries(), self._holding, now, self.lost_after_s)
         self._sync_new(workers)
-        workers = [w for w in workers if w.worker_id in self._synced]
-        plan = schedule(
-            [
-                PendingTask(
-                    id=r.id,
-                    workspace=r.workspace,
-                    created_seq=i,
-                    cards=r.spec.cards,
-                    cpu_millis=r.spec.cpu_millis or 0,
-                    memory_bytes=r.spec.memory_bytes or 0,
-                )
-                for i, r in enumerate(pending)
-            ],
-            workers,
-            now,
-        )
+        workers = [
+            attrs.evolve(w, draining=True) if w.worker_id in self._retired else w
+            for w in workers
+            if w.worker_id in self._synced
+        ]
+        tasks = [
+            PendingTask(
+                id=r.id,
+                workspace=r.workspace,
+                created_seq=i,
+                cards=r.spec.cards,
+                cpu_millis=r.spec.cpu_millis or 0,
+                memory_bytes=r.spec.memory_bytes or 0,
+            )
+            for i, r in enumerate(pending)
+        ]
+        plan = schedule(tasks, workers, now)
         machines = self.machines()
+        self._retire_idle(tasks, plan, workers, machines)
         asked = {r.id: r.spec.cards for r in pending}
         waiting = {
-            w.task_id: beyond_every_machine(asked[w.task_id], machines) or w.reason
+            w.task_id: (
+                self._retiring[w.task_id].waiting
+                if w.task_id in self._retiring
+                else beyond_every_machine(asked[w.task_id], machines) or w.reason
+            )
             for w in plan.waiting
         }
         if waiting != self.waiting:
@@ -477,6 +494,47 @@ class Dispatcher:
             self._nursery.start_soon(self._watch, started, False)
         if plan.assignments:
             self.changed()
+
+    def _retire_idle(
+        self,
+        tasks: Sequence[PendingTask],
+        plan: SchedulePlan,
+        workers: Sequence[WorkerCapacity],
+        machines: Sequence[MachineSize],
+    ) -> None:
+        """Give up idle workers whose cards with their node's free ones make room for a
+        waiting task (`idle_workers_to_retire`); forget a promise once its task no longer waits
+        or a worker other than the retired one is ready on its node."""
+        self._retired.intersection_update(e.worker_id for e in self.registry.entries())
+        waiting_ids = {w.task_id for w in plan.waiting}
+        for task_id, retire in list(self._retiring.items()):
+            successor = any(
+                w.node == retire.node and w.ready and w.worker_id != retire.worker_id
+                for w in workers
+            )
+            if task_id not in waiting_ids or successor:
+                del self._retiring[task_id]
+        if not machines:
+            return
+        decided = idle_workers_to_retire(
+            [t for t in tasks if t.id in waiting_ids],
+            workers,
+            busy={worker for worker, held in self._holding.items() if held},
+            machines=machines,
+            promised=self._retiring.keys(),
+        )
+        for retire in decided:
+            if not self.retire(retire):
+                continue
+            # No placement goes there from now on: it holds nothing, and its Job is deleted.
+            self._retiring[retire.task_id] = retire
+            self._retired.add(retire.worker_id)
+            log.info(
+                "worker %s %s",
+                retire.worker_id,
+                retire.why,
+                extra=_fields(worker=retire.worker_id, node=retire.node, task=retire.task_id),
+            )
 
     def _hold(self, record: TaskRecord) -> None:
         assert record.worker is not None
@@ -604,6 +662,7 @@ class Dispatcher:
         self._syncing.discard(worker_id)
         self._synced.discard(worker_id)
         self._holding.pop(worker_id, None)
+        self._retired.discard(worker_id)
         self.changed()
         self.wake()
 

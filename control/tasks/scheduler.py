@@ -33,16 +33,20 @@ well under a second.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
 __all__ = [
     "Assignment",
+    "MachineSize",
     "PendingTask",
+    "Retire",
     "SchedulePlan",
     "Waiting",
     "WorkerCapacity",
+    "beyond_every_machine",
+    "idle_workers_to_retire",
     "schedule",
 ]
 
@@ -158,6 +162,94 @@ class MachineSize:
     pool: str
     node: str
     cards: int
+    free: int = 0
+    """Cards no pod holds (ours or another's)."""
+    worker: str = ""
+    """Our worker there (its Job's name), if any."""
+
+
+@attrs.frozen
+class Retire:
+    """An idle worker to give up, so that its node's next worker holds its cards and the node's
+    free ones together, which a waiting task needs."""
+
+    worker_id: str
+    pool: str
+    node: str
+    task_id: str
+    why: str
+    """For the worker's end (its Job's Event, the log)."""
+    waiting: str
+    """For the task, while it waits for the next worker."""
+
+
+def idle_workers_to_retire(
+    waiting: Sequence[PendingTask],
+    workers: Sequence[WorkerCapacity],
+    busy: Collection[str],
+    machines: Sequence[MachineSize],
+    promised: Collection[str] = (),
+) -> tuple[Retire, ...]:
+    """Which idle workers to retire at once rather than when they idle out.
+
+    A worker holds the cards that were free on its node when it started; cards freed there
+    later (a neighbour scaled down) stay outside it. A task larger than the worker that would
+    fit in the worker's cards plus the node's free ones waits for nothing but that worker:
+    retired now, its node's next worker takes everything free. Rules:
+
+    - only a ready, not draining worker holding no task (`busy`: those that hold one) whose
+      node is a known machine with it as our worker;
+    - for each waiting task in `waiting`'s order (created order), not already `promised` a
+      retirement: the worker with fewer cards than the task asks for whose cards plus its
+      node's free cards cover it; of several, the smallest such sum (best fit), then the node;
+    - one retirement per task and per worker.
+    """
+    by_worker = {m.worker: m for m in machines if m.worker}
+    idle = sorted(
+        (
+            (w, by_worker[w.worker_id])
+            for w in workers
+            if w.ready
+            and not w.draining
+            and w.worker_id not in busy
+            and w.worker_id in by_worker
+            and by_worker[w.worker_id].node == w.node
+        ),
+        key=lambda pair: (pair[0].cards_free + pair[1].free, pair[1].node, pair[0].worker_id),
+    )
+    taken: set[str] = set()
+    out: list[Retire] = []
+    for task in waiting:
+        if task.id in promised or task.cards == 0:
+            continue
+        for worker, machine in idle:
+            if worker.worker_id in taken:
+                continue
+            now_cards = worker.cards_free
+            if not now_cards < task.cards <= now_cards + machine.free:
+                continue
+            taken.add(worker.worker_id)
+            whole = now_cards + machine.free
+            out.append(
+                Retire(
+                    worker_id=worker.worker_id,
+                    pool=machine.pool,
+                    node=machine.node,
+                    task_id=task.id,
+                    why=(
+                        f"retired while idle: task {task.id} asks {_cards(task.cards)}, and "
+                        f"this worker's {_cards(now_cards)} with the {machine.free} now free on "
+                        f"node {machine.node} make {whole}"
+                    ),
+                    waiting=(
+                        f"waiting: {_cards(task.cards)} asked; the idle worker on node "
+                        f"{machine.node} ({_cards(now_cards)}) is being replaced by one with "
+                        f"all {whole} free cards there"
+                    ),
+                )
+            )
+            break
+    return tuple(out)
 
 
 def beyond_every_machine(cards: int, machines: Sequence[MachineSize]) -> str | None:

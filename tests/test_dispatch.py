@@ -35,6 +35,15 @@ from control.tasks.dispatch import (
     keep_tail,
     outcome,
 )
+from control.tasks.scheduler import (
+    Assignment,
+    MachineSize,
+    PendingTask,
+    Retire,
+    SchedulePlan,
+    Waiting,
+    WorkerCapacity,
+)
 from control.tasks.store import (
     Exited,
     Failed,
@@ -526,3 +535,36 @@ async def test_a_followed_log_whose_worker_stream_broke_takes_the_rest_from_the_
                     seen.append(chunk)
         assert b"".join(seen) == b"".join(whole)
         assert placed.worker == "w1"
+
+
+async def test_an_idle_worker_is_retired_once_and_never_while_this_pass_places_on_it(
+    tmp_path: Path,
+) -> None:
+    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
+        registry = WorkerRegistry({"w1": "token"}, nursery)
+        dispatcher = Dispatcher(store, registry, Workspaces(()), lost_after_s=5)
+        asked: list[Retire] = []
+
+        def retire(decided: Retire) -> bool:
+            asked.append(decided)
+            return True
+
+        dispatcher.retire = retire
+        big = PendingTask("big", "a", 1, cards=3, cpu_millis=0, memory_bytes=0)
+        small = PendingTask("small", "a", 0, cards=1, cpu_millis=0, memory_bytes=0)
+        idle = WorkerCapacity("w1", "n1", True, 2, 1000, 1 << 30, False, 2)
+        machines = [MachineSize("gpu", "n1", 4, free=2, worker="w1")]
+        waits = (Waiting("big", "waiting"),)
+
+        # This very pass places the small task on w1: w1 is not idle, whatever it holds now.
+        placing = SchedulePlan((Assignment("small", "w1"),), waits)
+        dispatcher._retire_idle([small, big], placing, [idle], machines)
+        assert asked == []
+
+        plan = SchedulePlan((), waits)
+        dispatcher._retire_idle([big], plan, [idle], machines)
+        assert [(r.worker_id, r.task_id) for r in asked] == [("w1", "big")]
+        # Asked once: the next passes wait for the new worker (the task was promised it).
+        dispatcher._retire_idle([big], plan, [attrs.evolve(idle, draining=True)], machines)
+        assert len(asked) == 1
+        nursery.cancel_scope.cancel()

@@ -519,7 +519,9 @@ class Dispatcher:
         decided = idle_workers_to_retire(
             [t for t in tasks if t.id in waiting_ids],
             workers,
-            busy={worker for worker, held in self._holding.items() if held},
+            # A worker this very plan places a task on is not idle either.
+            busy={worker for worker, held in self._holding.items() if held}
+            | {a.worker_id for a in plan.assignments},
             machines=machines,
             promised=self._retiring.keys(),
         )

@@ -10,7 +10,7 @@ DEB_PACKAGES := gcc openssh-server openssh-client socat iperf3 ca-certificates p
 	runc docker-registry busybox-static nftables criu apache2-utils fuse3 postgresql-15 chromium \
 	buildah mmdebstrap skopeo umoci util-linux
 
-.PHONY: deps install test test-shuffled lint bench demo demo-ha chaos clean images-check images image-test gpu-check
+.PHONY: deps install test test-shuffled lint schema bench demo demo-ha chaos clean images-check images image-test gpu-check
 
 deps: $(VENV)/.deps
 $(VENV)/.deps: Makefile
@@ -64,6 +64,12 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/python -m control.values_schema --check
+
+# deploy/chart/values.schema.json again, from the controlplane's config types (after changing
+# them or a chart value).
+schema: install
+	$(BIN)/python -m control.values_schema
 
 bench: deps install
 	@mkdir -p bench-results

@@ -1,7 +1,12 @@
 {{/*
 Names, labels, the container port and the checks every template runs first. The checks live
 here, not in the controlplane alone, so that a bad values file fails at `helm upgrade` with the
-field named instead of as a crash-looping pod.
+field named instead of as a crash-looping pod. values.schema.json (generated from the
+controlplane's config types by `python -m control.values_schema`) refuses unknown keys and
+values of the wrong kind before any template runs; these checks cover what a schema cannot say
+as well (a value that depends on another, a secret in the wrong tree). Templates run them with
+`template`, not `include`, so that Helm reports a failed check at its own line in this file
+rather than at whichever template it happened to render first.
 */}}
 
 {{- define "levers9.name" -}}
@@ -191,7 +196,7 @@ else "".
 {{- if not (lt (float64 $election.retryPeriodS) (float64 $election.renewDeadlineS)) }}
 {{- fail (printf "leaderElection.retryPeriodS must be less than renewDeadlineS (%v), not %v: a leader must be able to try renewing more than once" $election.renewDeadlineS $election.retryPeriodS) }}
 {{- end }}
-{{- include "levers9.validateMetrics" . }}
+{{- template "levers9.validateMetrics" . }}
 {{- if not $c.publicUrl }}
 {{- fail "config.publicUrl is empty; set it to the https:// URL that workers and the CLI dial (the Service's address under your DNS name), e.g. config.publicUrl: https://levers9.example.com" }}
 {{- end }}

@@ -277,6 +277,17 @@ def parse(values: Mapping[str, Any]) -> ControlConfig:
 _CONVERTER = make_converter()
 
 
+def strict_bool(value: Any, _: type[bool]) -> bool:
+    """A config boolean is true or false: cattrs would call bool(), which reads the string
+    "false" as True."""
+    if not isinstance(value, bool):
+        raise ValueError("expected true or false")
+    return value
+
+
+_CONVERTER.register_structure_hook(bool, strict_bool)
+
+
 _SHOWN_PROBLEMS = 5
 
 

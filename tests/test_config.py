@@ -102,6 +102,17 @@ def test_merge_replaces_lists_and_merges_mappings() -> None:
             },
             "config.http2: max_pings_per_window must be 0 or more, not -5",
         ),
+        # A quoted "false" is not false (cattrs' bool() would read it as True).
+        (
+            {
+                "config": {
+                    "publicUrl": "https://x",
+                    "tls": {"certFile": "a", "keyFile": "b"},
+                    "joinedPools": {"inCluster": "false"},
+                }
+            },
+            "config.joinedPools.inCluster",
+        ),
     ],
 )
 def test_bad_values_name_the_field(values: dict[str, object], needle: str) -> None:

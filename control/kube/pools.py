@@ -35,7 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from agent.wire.errors import make_converter
-from control.config import ConfigError
+from control.config import ConfigError, strict_bool
 
 __all__ = [
     "ClientCertificateCredentials",
@@ -251,15 +251,8 @@ class LoadedPools:
     warnings: tuple[str, ...] = ()
 
 
-def _strict_bool(value: Any, _: type[bool]) -> bool:
-    # cattrs would call bool(), which turns the string "false" into True.
-    if not isinstance(value, bool):
-        raise ValueError("expected true or false")
-    return value
-
-
 _CONVERTER = make_converter()
-_CONVERTER.register_structure_hook(bool, _strict_bool)
+_CONVERTER.register_structure_hook(bool, strict_bool)
 
 
 def load_pools(

@@ -2,14 +2,30 @@
 
 No kube-apiserver can be installed here, yet the controlplane's Kubernetes adapter must be
 tested against something that the official `kubernetes` client and `kubectl` both accept. This
-module serves core/v1 nodes, pods (with their `log` subresource), secrets, namespaces,
-serviceaccounts and events, batch/v1 jobs, rbac.authorization.k8s.io/v1 roles, clusterroles
-and their bindings, and coordination.k8s.io/v1 leases (leader election) with the apiserver's
-paths, List and Status shapes, discovery documents, label and field selectors (an Event's
-`involvedObject.*`, `reason`, `type` among them, so `kubectl describe job` lists a Job's events),
-JSON merge and strategic merge patches, `limit`/`continue` paging, bearer-token authentication,
+module serves core/v1 nodes, pods (with their `log` subresource), secrets, configmaps,
+services, persistentvolumeclaims, namespaces, serviceaccounts and events, apps/v1 deployments
+(with their `scale` subresource), batch/v1 jobs, policy/v1 poddisruptionbudgets,
+rbac.authorization.k8s.io/v1 roles, clusterroles and their bindings, and coordination.k8s.io/v1
+leases (leader election) with the apiserver's paths, List and Status shapes, discovery documents
+(short names and the `all` category, so `kubectl get cm,svc,pvc,pdb,deploy` and `kubectl get
+all` read right), label and field selectors (an Event's `involvedObject.*`, `reason`, `type`
+among them, so `kubectl describe job` lists a Job's events), JSON merge and strategic merge
+patches (`sim.kubeapi.patches`), `limit`/`continue` paging, bearer-token authentication,
 owner-reference cascading on delete, and optimistic concurrency: a PUT of any resource whose
 `metadata.resourceVersion` is not the stored one is a 409 Conflict.
+
+Deployments are kept by a small Deployment controller (`sim.kubeapi.deployments`): `spec.replicas`
+pods from the template, owned by the Deployment and named `<deployment>-<hash>-<5 chars>`, bound
+by a one-pass scheduler (`sim.kubeapi.scheduler`: the first Ready, schedulable node by name whose
+selector, taints and free `nvidia.com/gpu`, cpu and memory fit; else Pending with the
+scheduler's reason) and Running at once, since nothing runs in them; the Deployment's status
+(replicas, ready, available, updated, observedGeneration, the Available and Progressing
+conditions) is what `kubectl get deploy` and `kubectl rollout status` read. So `kubectl scale
+deployment NAME --replicas=0` frees the cards its pods held, and deploy/deploy.sh's
+`helm upgrade --install` of deploy/chart installs, upgrades and uninstalls: Helm's OpenAPI v3
+look before writing is answered (`sim.kubeapi.openapi`) and the release Secrets it sends as
+protobuf are decoded (`sim.kubeapi.protobuf`). Services get a cluster IP (and node ports),
+claims are Bound at once; neither has a controller behind it.
 
 Every listed resource also serves WATCH (`?watch=true`, its own RBAC verb) as the apiserver
 does: a chunked stream of `{"type", "object"}` lines from a list's resourceVersion (or, without
@@ -43,7 +59,14 @@ Design choices:
   (or every one until `clear_faults`, with `count=None`), matched by path, verb and object name
   prefix, with a 429 and Retry-After, a 500, a delay, or any Status a test names (a 422 Invalid,
   a 403 exceeded quota).
-- Only what the controlplane needs is modelled: no admission, no scheduler, no RBAC escalation
-  checks or bootstrap roles, and the garbage collector and the token controller run
+- Only what the controlplane needs is modelled: of admission, Pod Security alone (a pod that
+  breaks its namespace's `pod-security.kubernetes.io/enforce` level, or the cluster default
+  `set_pod_security_default` sets, is refused with the plugin's 403; a Job's refused pod is a
+  `FailedCreate` Event on the Job: `sim.kubeapi.podsecurity`, and a Deployment's its
+  `ReplicaFailure` condition; `set_autopilot` adds GKE Autopilot's refusal of privileged pods
+  and Jobs in every namespace; a create with `dryRun=All` is admitted but not stored); a
+  scheduler only for the Deployments' own pods; no ReplicaSets
+  (`kubectl rollout undo` has no history to go back to); no RBAC escalation checks or bootstrap
+  roles; and the garbage collector, the token controller and the Deployment controller run
   synchronously inside the request that triggers them.
 """

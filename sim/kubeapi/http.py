@@ -29,11 +29,14 @@ from urllib.parse import parse_qs, urlsplit
 import attrs
 import trustme
 
+from sim.kubeapi import protobuf
 from sim.kubeapi.model import (
     ACCESS_REVIEW,
+    APPS,
     BY_PATH,
     COORDINATION,
     KUBE_VERSION,
+    POLICY,
     RBAC,
     RESOURCES,
     SUBJECT_REVIEW,
@@ -46,6 +49,7 @@ from sim.kubeapi.model import (
     json_body,
     not_found,
 )
+from sim.kubeapi.openapi import openapi_v3
 from sim.kubeapi.rbac import subject_review
 from sim.kubeapi.store import KubeStandin, RequestRecord, synthetic_cluster, synthetic_workers
 from sim.kubeapi.tables import table_of
@@ -55,7 +59,15 @@ _LIVENESS_S = 1.0
 """How often an idle watch looks whether its client has gone away."""
 
 log = logging.getLogger(__name__)
-_GROUPS = ("batch", RBAC, COORDINATION, "authorization.k8s.io", "authentication.k8s.io")
+_GROUPS = (
+    APPS,
+    "batch",
+    RBAC,
+    COORDINATION,
+    POLICY,
+    "authorization.k8s.io",
+    "authentication.k8s.io",
+)
 """The API groups served besides core, all at version v1, in discovery's order."""
 _REVIEWS = {
     "authorization.k8s.io": ("selfsubjectaccessreviews", "SelfSubjectAccessReview"),
@@ -67,7 +79,10 @@ _SUBRESOURCES = {
     "jobs": (("status", ["get", "patch", "update"]),),
     "nodes": (("status", ["get", "patch", "update"]),),
     "namespaces": (("status", ["get", "patch", "update"]),),
+    "deployments": (("status", ["get", "patch", "update"]), ("scale", ["get", "patch", "update"])),
 }
+_SCALE = {"group": "autoscaling", "version": "v1", "kind": "Scale"}
+"""What discovery says a `scale` subresource speaks (kubectl's scale client needs it)."""
 
 
 def _group_doc(group: str) -> Obj:
@@ -89,6 +104,7 @@ def _resource_list(group: str) -> Obj:
                 "verbs": VERBS,
                 "shortNames": list(res.short_names),
             }
+            | ({"categories": list(res.categories)} if res.categories else {})
         )
         for sub, verbs in _SUBRESOURCES.get(res.plural, ()):
             resources.append(
@@ -99,6 +115,7 @@ def _resource_list(group: str) -> Obj:
                     "kind": res.kind,
                     "verbs": verbs,
                 }
+                | (_SCALE if sub == "scale" else {})
             )
     if group in _REVIEWS:
         plural, kind = _REVIEWS[group]
@@ -122,6 +139,8 @@ def _resource_list(group: str) -> Obj:
 def _discovery(path: str) -> Obj | None:
     if path == "/version":
         return KUBE_VERSION
+    if path.startswith("/openapi/"):
+        return openapi_v3(path, _GROUPS)
     if path == "/api":
         return {
             "kind": "APIVersions",
@@ -162,7 +181,10 @@ def _route(path: str) -> Route | None:
         return None
     name = rest[1] if len(rest) > 1 else ""
     sub = rest[2] if len(rest) > 2 else ""
-    if sub not in ("", "status") and (res.plural, sub) != ("pods", "log"):
+    if sub not in ("", "status") and (res.plural, sub) not in (
+        ("pods", "log"),
+        ("deployments", "scale"),
+    ):
         return None
     return Route(res, ns, name, sub)
 
@@ -383,6 +405,11 @@ class _Handler(BaseHTTPRequestHandler):
         as_table = "as=Table" in (self.headers.get("Accept") or "") and not sub
         if method == "GET" and not name:
             return 200, kube._list(res, ns, query, as_table)
+        if sub == "scale" and method in ("GET", "PUT", "PATCH"):
+            if method == "PATCH":
+                _check_patch_type(self.headers.get("Content-Type") or "", body)
+            scale = kube._scale(method, res, ns, name, json_body(body) if body else {})
+            return 200, json.dumps(scale).encode()
         if method == "GET":
             stored = kube._store[res.plural].get((ns, name))
             if stored is None:
@@ -391,8 +418,9 @@ class _Handler(BaseHTTPRequestHandler):
                 meta = {"resourceVersion": stored.obj["metadata"]["resourceVersion"]}
                 return 200, json.dumps(table_of(res, [stored.obj], meta)).encode()
             return 200, stored.raw
+        content_type = self.headers.get("Content-Type") or ""
         if method == "DELETE" and name:
-            policy = _delete_policy(res, query, body)
+            policy = _delete_policy(res, query, _body_object(content_type, body) if body else {})
             deleted = kube._delete(res, ns, name, policy)
             done = {
                 "kind": "Status",
@@ -408,16 +436,22 @@ class _Handler(BaseHTTPRequestHandler):
             }
             return 200, json.dumps(done).encode()
         if method == "PATCH":
-            _check_patch_type(self.headers.get("Content-Type") or "", body)
-        obj = json_body(body)
+            _check_patch_type(content_type, body)
+            obj = json_body(body)
+        else:
+            obj = _body_object(content_type, body)
         if method == "POST" and not name:
             if res.namespaced and not ns:
                 raise KubeError(405, "MethodNotAllowed", "create needs a namespace in the path")
-            return 201, json.dumps(kube._create(res, ns, obj)).encode()
+            dry_run = query.get("dryRun") == "All"
+            return 201, json.dumps(kube._create(res, ns, obj, dry_run=dry_run)).encode()
         if method == "PUT" and name:
             return 200, json.dumps(kube._replace(res, ns, name, obj, sub)).encode()
         if method == "PATCH" and name:
-            return 200, json.dumps(kube._patch(res, ns, name, obj, sub)).encode()
+            media = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+            strategic = media == "application/strategic-merge-patch+json"
+            patched = kube._patch(res, ns, name, obj, sub, strategic=strategic)
+            return 200, json.dumps(patched).encode()
         raise KubeError(405, "MethodNotAllowed", f"{method} is not supported on {path}")
 
     def _send(
@@ -471,11 +505,11 @@ _PATCH_TYPES = (
 
 
 def _check_patch_type(content_type: str, body: bytes) -> None:
-    """Accepts a JSON merge patch and a strategic merge patch (approximated by a merge patch;
-    what kubectl sends by default), both applied by the store's merge. A JSON patch (RFC 6902,
-    a list of operations) and server-side apply are not modelled: 415. An object sent as a JSON
-    patch is taken as a merge patch: the official client labels every dict body so (a real
-    apiserver refuses it), and tests of the stand-in rely on it."""
+    """Accepts a JSON merge patch and a strategic merge patch (what kubectl and Helm send for
+    the built-in kinds; `sim.kubeapi.patches`). A JSON patch (RFC 6902, a list of operations)
+    and server-side apply are not modelled: 415. An object sent as a JSON patch is taken as a
+    merge patch: the official client labels every dict body so (a real apiserver refuses it),
+    and tests of the stand-in rely on it."""
     media = content_type.split(";", 1)[0].strip().lower()
     if media in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
         return
@@ -494,6 +528,22 @@ def _check_patch_type(content_type: str, body: bytes) -> None:
         f"the body of the request was in an unknown format - accepted media types include: "
         f"{', '.join(_PATCH_TYPES)}",
     )
+
+
+def _body_object(content_type: str, body: bytes) -> Obj:
+    """A POST, PUT or DELETE body: JSON, or protobuf (which client-go's typed clients send when
+    configured to, as Helm's are) of a kind `sim.kubeapi.protobuf` decodes; 415 otherwise."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != protobuf.MEDIA_TYPE:
+        return json_body(body)
+    try:
+        return protobuf.decode(body)
+    except protobuf.Unsupported as exc:
+        raise KubeError(
+            415,
+            "UnsupportedMediaType",
+            f"the kube stand-in cannot decode this protobuf body ({exc}); send JSON",
+        ) from None
 
 
 def _flag(query: Mapping[str, str], name: str) -> bool:
@@ -516,8 +566,7 @@ def _timeout_seconds(text: str) -> int | None:
     return seconds or None
 
 
-def _delete_policy(res: Resource, query: Mapping[str, str], body: bytes) -> str:
-    options = json_body(body) if body else {}
+def _delete_policy(res: Resource, query: Mapping[str, str], options: Obj) -> str:
     policy = query.get("propagationPolicy") or options.get("propagationPolicy")
     if policy is None and (query.get("orphanDependents") or options.get("orphanDependents")):
         policy = "Orphan"

@@ -17,6 +17,8 @@ Key = tuple[str, str]
 """(namespace, name); the namespace is "" for cluster-scoped resources."""
 RBAC = "rbac.authorization.k8s.io"
 COORDINATION = "coordination.k8s.io"
+APPS = "apps"
+POLICY = "policy"
 KUBE_VERSION = {
     "major": "1",
     "minor": "30",
@@ -41,6 +43,8 @@ class Resource:
     namespaced: bool
     short_names: tuple[str, ...] = ()
     singular: str = ""
+    categories: tuple[str, ...] = ()
+    """What discovery lists it under: `kubectl get all` reads the "all" category."""
 
     @property
     def api_version(self) -> str:
@@ -55,10 +59,10 @@ class Resource:
 RESOURCES: tuple[Resource, ...] = (
     Resource("", "v1", "namespaces", "Namespace", False, ("ns",), "namespace"),
     Resource("", "v1", "nodes", "Node", False, ("no",), "node"),
-    Resource("", "v1", "pods", "Pod", True, ("po",), "pod"),
+    Resource("", "v1", "pods", "Pod", True, ("po",), "pod", ("all",)),
     Resource("", "v1", "secrets", "Secret", True, (), "secret"),
     Resource("", "v1", "events", "Event", True, ("ev",), "event"),
-    Resource("batch", "v1", "jobs", "Job", True, (), "job"),
+    Resource("batch", "v1", "jobs", "Job", True, (), "job", ("all",)),
     Resource("", "v1", "serviceaccounts", "ServiceAccount", True, ("sa",), "serviceaccount"),
     Resource(RBAC, "v1", "clusterroles", "ClusterRole", False, (), "clusterrole"),
     Resource(
@@ -67,6 +71,27 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(RBAC, "v1", "roles", "Role", True, (), "role"),
     Resource(RBAC, "v1", "rolebindings", "RoleBinding", True, (), "rolebinding"),
     Resource(COORDINATION, "v1", "leases", "Lease", True, (), "lease"),
+    Resource("", "v1", "configmaps", "ConfigMap", True, ("cm",), "configmap"),
+    Resource("", "v1", "services", "Service", True, ("svc",), "service", ("all",)),
+    Resource(
+        "",
+        "v1",
+        "persistentvolumeclaims",
+        "PersistentVolumeClaim",
+        True,
+        ("pvc",),
+        "persistentvolumeclaim",
+    ),
+    Resource(APPS, "v1", "deployments", "Deployment", True, ("deploy",), "deployment", ("all",)),
+    Resource(
+        POLICY,
+        "v1",
+        "poddisruptionbudgets",
+        "PodDisruptionBudget",
+        True,
+        ("pdb",),
+        "poddisruptionbudget",
+    ),
 )
 BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES}
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]

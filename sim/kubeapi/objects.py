@@ -1,5 +1,6 @@
 """Objects as a cluster makes them: GPU nodes, pods with requests and limits, the defaults the
-apiserver fills into a Secret or a Job, and its checks of a core/v1 Event and a Lease.
+apiserver fills into a Secret, a Job or a Service (and a provisioner into a claim), and its
+checks of a core/v1 Event and a Lease.
 """
 
 from __future__ import annotations
@@ -303,3 +304,46 @@ def check_lease(lease: Obj) -> None:
             f'Lease.coordination.k8s.io "{name}" is invalid: {listed}',
             {"name": name, "group": "coordination.k8s.io", "kind": "leases"},
         )
+
+
+def default_service(service: Obj, old: Obj | None, serial: int) -> Obj:
+    """What the apiserver fills into a Service: its type, a cluster IP and, for a NodePort or
+    LoadBalancer one, a node port per port (`serial`, unique per write, picks them); an update
+    keeps those it had."""
+    spec = dict(service.get("spec") or {})
+    old_spec = (old or {}).get("spec") or {}
+    spec.setdefault("type", "ClusterIP")
+    spec.setdefault("sessionAffinity", "None")
+    if not spec.get("clusterIP"):
+        spec["clusterIP"] = old_spec.get("clusterIP") or (
+            f"10.96.{(serial >> 8) % 256}.{serial % 254 + 1}"
+        )
+    spec["clusterIPs"] = [spec["clusterIP"]]
+    old_ports = {p.get("port"): p.get("nodePort") for p in old_spec.get("ports") or ()}
+    ports = []
+    for index, given in enumerate(spec.get("ports") or ()):
+        port = {"protocol": "TCP", **given}
+        port.setdefault("targetPort", port.get("port"))
+        if spec["type"] in ("NodePort", "LoadBalancer") and not port.get("nodePort"):
+            port["nodePort"] = old_ports.get(port.get("port")) or (
+                30000 + (serial * 7 + index) % 2768
+            )
+        ports.append(port)
+    spec["ports"] = ports
+    status = service.get("status") or {"loadBalancer": {}}
+    return {**service, "spec": spec, "status": status}
+
+
+def default_claim(claim: Obj) -> Obj:
+    """A PersistentVolumeClaim as a cluster with a dynamic provisioner leaves it: Bound to a
+    volume of the size it asks for."""
+    spec = dict(claim.get("spec") or {})
+    spec.setdefault("volumeMode", "Filesystem")
+    spec.setdefault("volumeName", f"pvc-{claim['metadata']['uid']}")
+    requested = ((spec.get("resources") or {}).get("requests") or {}).get("storage", "")
+    status = {
+        "phase": "Bound",
+        "accessModes": list(spec.get("accessModes") or ()),
+        "capacity": {"storage": requested},
+    }
+    return {**claim, "spec": spec, "status": status}

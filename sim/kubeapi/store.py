@@ -31,6 +31,12 @@ from typing import Any
 import attrs
 import yaml
 
+from sim.kubeapi.deployments import (
+    DeploymentController,
+    prepare_deployment,
+    scale_of,
+    scale_replicas,
+)
 from sim.kubeapi.model import (
     ADMIN_USER,
     BY_PATH,
@@ -55,14 +61,18 @@ from sim.kubeapi.model import (
 from sim.kubeapi.objects import (
     check_event,
     check_lease,
+    default_claim,
     default_job,
     default_secret,
+    default_service,
     job_node,
     make_node,
     make_pod,
     owner_reference,
     timestamp_now,
 )
+from sim.kubeapi.patches import strategic_merge_patch
+from sim.kubeapi.podsecurity import Policy, autopilot_refusal, namespace_policy, refusal
 from sim.kubeapi.rbac import Want, binds, check_role_ref, forbidden, token_owner
 from sim.kubeapi.selectors import parse_field_selector, parse_label_selector, selected
 from sim.kubeapi.tables import table_of
@@ -219,6 +229,11 @@ class KubeStandin:
         self._faults: list[Fault] = []
         self._watch_faults = WatchFaults()
         self._job_hooks: list[JobHook] = []
+        self._deployments = DeploymentController()
+        self._pod_security = Policy()
+        self._autopilot = False
+        # (Job uid, reason) -> the Event the Job controller recorded, bumped on a repeat.
+        self._job_events: dict[tuple[str, str], Key] = {}
         self.hook_errors: list[BaseException] = []
         self.requests: list[RequestRecord] = []
         self.url = ""
@@ -414,12 +429,29 @@ class KubeStandin:
     def resource_version(self) -> int:
         return self._rv
 
-    def add_namespace(self, name: str) -> Obj:
+    def add_namespace(self, name: str, labels: Mapping[str, str] | None = None) -> Obj:
+        """Adds or replaces a namespace (with `labels`, such as Pod Security's)."""
+        meta: Obj = {"name": name}
+        if labels:
+            meta["labels"] = dict(labels)
         return self._put(
-            "namespaces",
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
-            create=False,
+            "namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}, create=False
         )
+
+    def set_pod_security_default(self, level: str, version: str = "latest") -> None:
+        """The enforce level for namespaces without a `pod-security.kubernetes.io/enforce`
+        label, as an AdmissionConfiguration's `defaults.enforce` sets it (privileged until
+        set); ValueError for a level other than privileged, baseline or restricted."""
+        policy = Policy(level, version)
+        with self._lock:
+            self._pod_security = policy
+
+    def set_autopilot(self, enabled: bool = True) -> None:
+        """Makes the cluster a GKE Autopilot one: its admission (GKE Warden) refuses a pod, or
+        a Job whose pod template, that is privileged, uses a host namespace or writes to a
+        hostPath volume, in any namespace, with Warden's 403 (`sim.kubeapi.podsecurity`)."""
+        with self._lock:
+            self._autopilot = enabled
 
     def add_node(self, node: Obj) -> Obj:
         """Adds or replaces a node (see `make_node`)."""
@@ -553,7 +585,9 @@ class KubeStandin:
     def run_job_pod(self, job: Obj, node: str | None = None, phase: str = "Running") -> Obj:
         """Creates the pod the Job controller and kubelet would: named `<job>-<suffix>`, owned
         by the Job, bound to `node` (default: the node the template pins), and marks the Job
-        active. Meant to be called from an `on_job_created` hook."""
+        active. Meant to be called from an `on_job_created` hook. A pod Pod Security refuses
+        is not made: the Job gets its `FailedCreate` Event (`create_job_pod`) and the 403
+        `KubeError` is raised."""
         meta = job["metadata"]
         template = job["spec"]["template"]
         spec = {**template.get("spec", {}), "nodeName": node or job_node(job) or ""}
@@ -566,12 +600,88 @@ class KubeStandin:
         }
         pod["spec"] = spec
         with self._lock:
+            self._admit_job_pod(job, pod)
             stored = self._put("pods", pod, create=False)
             current = self.get("jobs", meta["name"], meta["namespace"])
-            if current is not None and phase == "Running":
+            # The Job controller counts a pod active until it ends, pending or running.
+            if current is not None and phase not in ("Succeeded", "Failed"):
                 status = {**current.get("status", {}), "active": 1, "startTime": timestamp_now()}
                 self._put("jobs", {**current, "status": status}, create=False)
         return stored
+
+    def create_job_pod(self, job: Obj, pod: Obj) -> Obj:
+        """Creates `pod` for `job` as the Job controller does: through admission, as `create`
+        does; a pod refused (403: Pod Security) gets the Job the Warning Event `FailedCreate`
+        with `Error creating: <the apiserver's message>` (a repeat counts one more on that
+        Event, as client-go's correlator does, rather than adding Events), then the
+        `KubeError` is raised."""
+        with self._lock:
+            self._admit_job_pod(job, pod)
+        return self.create("pods", pod)
+
+    def _admit_job_pod(self, job: Obj, pod: Obj) -> None:
+        meta = pod.setdefault("metadata", {})
+        namespace = meta.get("namespace") or job["metadata"]["namespace"]
+        try:
+            self._admit_pod(namespace, pod)
+        except KubeError as err:
+            self._job_controller_event(job, "FailedCreate", f"Error creating: {err.message}")
+            raise
+
+    def _admit_pod(self, namespace: str, pod: Obj) -> None:
+        """Pod Security admission of a pod created in `namespace` (named here when it has only
+        a `generateName`): `KubeError` 403 with the plugin's message when its level refuses it."""
+        meta = pod.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = f"{meta['generateName']}{secrets.token_hex(3)[:5]}"
+        with self._lock:
+            found = self.get("namespaces", namespace)
+            if found is None:
+                return  # the write itself answers 404, as the apiserver's NamespaceLifecycle
+            policy = namespace_policy(found, self._pod_security)
+            autopilot = self._autopilot
+        refused = autopilot_refusal("pods", pod) if autopilot else None
+        refused = refused or refusal(policy, pod)
+        if refused is not None:
+            raise refused
+
+    def _job_controller_event(self, job: Obj, reason: str, message: str) -> None:
+        """A Warning Event on `job` from the Job controller, or one more on its last one of
+        the same reason (count, lastTimestamp and the newest message)."""
+        meta = job["metadata"]
+        namespace, uid = meta["namespace"], str(meta.get("uid") or "")
+        now = timestamp_now()
+        with self._lock:
+            key = self._job_events.get((uid, reason))
+            current = self.get("events", key[1], key[0]) if key is not None else None
+            if current is not None:
+                count = int(current.get("count") or 1) + 1
+                repeat = {**current, "message": message, "count": count, "lastTimestamp": now}
+                self._put("events", repeat, create=False)
+                return
+            name = f"{meta['name']}.{time.time_ns():016x}"
+            event: Obj = {
+                "metadata": {"name": name, "namespace": namespace},
+                "involvedObject": {
+                    "kind": "Job",
+                    "apiVersion": "batch/v1",
+                    "name": meta["name"],
+                    "namespace": namespace,
+                    "uid": uid,
+                    "resourceVersion": str(meta.get("resourceVersion") or ""),
+                },
+                "reason": reason,
+                "message": message,
+                "type": "Warning",
+                "source": {"component": "job-controller"},
+                "reportingComponent": "job-controller",
+                "reportingInstance": "",
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+            self._put("events", event, create=True)
+            self._job_events[(uid, reason)] = (namespace, name)
 
     # -- clients
 
@@ -702,11 +812,20 @@ class KubeStandin:
                 check_lease(new)
             elif plural == "namespaces":
                 new.setdefault("spec", {"finalizers": ["kubernetes"]})
-                new.setdefault("status", {"phase": "Active"})
+                # Helm sends `status: {}`; the phase is the apiserver's to fill.
+                new["status"] = {"phase": "Active", **(new.get("status") or {})}
+            elif plural == "deployments":
+                new = prepare_deployment(new, old.obj if old is not None else None)
+            elif plural == "services":
+                new = default_service(new, old.obj if old is not None else None, self._rv)
+            elif plural == "persistentvolumeclaims":
+                new = default_claim(new)
             stored = table[key] = _Stored(new, json.dumps(new, separators=(",", ":")).encode())
             if plural == "pods":
                 self._index_pod(key, old.obj if old else None, new)
             self._record_put(plural, key, stored, old.obj if old else None)
+            if plural in ("deployments", "pods", "nodes"):
+                self._deployments.sync(self)
             return new
 
     def _index_pod(self, key: Key, old: Obj | None, new: Obj | None) -> None:
@@ -743,6 +862,9 @@ class KubeStandin:
                 for plural, table in self._store.items():
                     for dep_key in [k for k in table if k[0] == name]:
                         self._delete(resource_of(plural), dep_key[0], dep_key[1], "Background")
+            if res.plural in ("pods", "nodes"):
+                # A Deployment replaces its pod; a pod left waiting may fit where this one was.
+                self._deployments.sync(self)
             return stored.obj
 
     def _collect(self, owner_uid: str) -> None:
@@ -1076,7 +1198,9 @@ class KubeStandin:
             self._watchers.discard(watcher)
             self._changed.notify_all()
 
-    def _create(self, res: Resource, ns: str, body: Obj) -> Obj:
+    def _create(self, res: Resource, ns: str, body: Obj, *, dry_run: bool = False) -> Obj:
+        """A POST; with `dry_run` (`?dryRun=All`) it goes through admission and is answered
+        as created, but nothing is stored and no hook runs."""
         meta = body.setdefault("metadata", {})
         if not isinstance(meta, dict):
             raise bad_request("metadata must be an object")
@@ -1089,6 +1213,21 @@ class KubeStandin:
             meta["namespace"] = ns
         for field in ("uid", "resourceVersion", "creationTimestamp"):
             meta.pop(field, None)
+        if res.plural == "pods":
+            self._admit_pod(ns, body)
+        elif res.plural == "jobs" and self._autopilot:
+            refused = autopilot_refusal("jobs", body)
+            if refused is not None:
+                raise refused
+        if dry_run:
+            if res.namespaced and self.get("namespaces", ns) is None:
+                raise KubeError(
+                    404,
+                    "NotFound",
+                    f'namespaces "{ns}" not found',
+                    {"name": ns, "kind": "namespaces"},
+                )
+            return {**body, "apiVersion": res.api_version, "kind": res.kind}
         created = self._put(res.plural, body, create=True)
         if res.plural == "jobs":
             with self._lock:
@@ -1125,19 +1264,48 @@ class KubeStandin:
                     new["status"] = current["status"]
             return self._put(res.plural, new, create=False)
 
-    def _patch(self, res: Resource, ns: str, name: str, patch: Obj, sub: str) -> Obj:
+    def _patch(
+        self, res: Resource, ns: str, name: str, patch: Obj, sub: str, *, strategic: bool = False
+    ) -> Obj:
+        """A PATCH: a JSON merge patch, or with `strategic` a strategic merge patch."""
         with self._lock:
             current = self.get(res.plural, name, ns)
             if current is None:
                 raise not_found(res, name)
             if sub == "status":
                 patch = {"status": patch.get("status", {})}
-            merged = _merge_patch(current, patch)
+            merged = (strategic_merge_patch if strategic else _merge_patch)(current, patch)
             merged["metadata"] = {
                 **merged.get("metadata", {}),
                 "resourceVersion": current["metadata"]["resourceVersion"],
             }
             return self._put(res.plural, merged, create=False)
+
+    def _scale(self, method: str, res: Resource, ns: str, name: str, body: Obj) -> Obj:
+        """The `scale` subresource of a Deployment: GET answers its Scale; PUT (which may name
+        the resourceVersion it read: 409 if stale) and PATCH (merge or strategic: the same on a
+        Scale) set `spec.replicas` and answer the Scale after the controller's pass."""
+        with self._lock:
+            current = self.get(res.plural, name, ns)
+            if current is None:
+                raise not_found(res, name)
+            if method == "GET":
+                return scale_of(current)
+            scale = scale_of(current)
+            if method == "PATCH":
+                wanted = _merge_patch(scale, body)
+            else:
+                wanted = {**body, "metadata": body.get("metadata") or {}}
+            replicas = scale_replicas(wanted, name)
+            sent_rv = wanted["metadata"].get("resourceVersion")
+            meta = {**current["metadata"]}
+            if sent_rv and method == "PUT":
+                meta["resourceVersion"] = sent_rv
+            spec = {**current["spec"], "replicas": replicas}
+            self._replace(res, ns, name, {**current, "metadata": meta, "spec": spec}, "")
+            updated = self.get(res.plural, name, ns)
+            assert updated is not None
+            return scale_of(updated)
 
 
 def _encode_continue(key: Key, rv: int) -> str:

@@ -59,6 +59,44 @@ def _row(res: Resource, obj: Obj) -> list[Any]:
         return [name, f"{ref.get('kind', '')}/{ref.get('name', '')}", _age(obj)]
     if res.plural == "leases":
         return [name, spec.get("holderIdentity") or "", _age(obj)]
+    if res.plural == "configmaps":
+        return [name, len(obj.get("data") or {}) + len(obj.get("binaryData") or {}), _age(obj)]
+    if res.plural == "services":
+        return [
+            name,
+            spec.get("type", "ClusterIP"),
+            spec.get("clusterIP") or "<none>",
+            _external_ip(spec, status),
+            _ports(spec),
+            _age(obj),
+        ]
+    if res.plural == "persistentvolumeclaims":
+        modes = {"ReadWriteOnce": "RWO", "ReadOnlyMany": "ROX", "ReadWriteMany": "RWX"}
+        return [
+            name,
+            status.get("phase", ""),
+            spec.get("volumeName", ""),
+            (status.get("capacity") or {}).get("storage", ""),
+            ",".join(modes.get(m, m) for m in status.get("accessModes") or ()),
+            spec.get("storageClassName") or "<unset>",
+            _age(obj),
+        ]
+    if res.plural == "poddisruptionbudgets":
+        return [
+            name,
+            str(spec["minAvailable"]) if "minAvailable" in spec else "N/A",
+            str(spec["maxUnavailable"]) if "maxUnavailable" in spec else "N/A",
+            status.get("disruptionsAllowed", 0),
+            _age(obj),
+        ]
+    if res.plural == "deployments":
+        return [
+            name,
+            f"{status.get('readyReplicas', 0)}/{spec.get('replicas', 1)}",
+            status.get("updatedReplicas", 0),
+            status.get("availableReplicas", 0),
+            _age(obj),
+        ]
     if res.plural == "events":
         involved = obj.get("involvedObject") or {}
         last = (
@@ -69,6 +107,27 @@ def _row(res: Resource, obj: Obj) -> list[Any]:
         what = f"{str(involved.get('kind', '')).lower()}/{involved.get('name', '')}"
         return [_since(last), obj.get("type", ""), obj.get("reason", ""), what, obj.get("message")]
     return [name, status.get("phase", ""), _age(obj)]
+
+
+def _external_ip(spec: Obj, status: Obj) -> str:
+    if spec.get("externalIPs"):
+        return ",".join(spec["externalIPs"])
+    if spec.get("type") != "LoadBalancer":
+        return "<none>"
+    ingress = (status.get("loadBalancer") or {}).get("ingress") or []
+    return ",".join(i.get("ip") or i.get("hostname", "") for i in ingress) or "<pending>"
+
+
+def _ports(spec: Obj) -> str:
+    return (
+        ",".join(
+            f"{p.get('port')}:{p['nodePort']}/{p.get('protocol', 'TCP')}"
+            if p.get("nodePort")
+            else f"{p.get('port')}/{p.get('protocol', 'TCP')}"
+            for p in spec.get("ports") or ()
+        )
+        or "<none>"
+    )
 
 
 _COLUMNS = {
@@ -84,7 +143,29 @@ _COLUMNS = {
     "rolebindings": ["Name", "Role", "Age"],
     "clusterrolebindings": ["Name", "Role", "Age"],
     "leases": ["Name", "Holder", "Age"],
+    "configmaps": ["Name", "Data", "Age"],
+    "services": ["Name", "Type", "Cluster-IP", "External-IP", "Port(s)", "Age"],
+    "persistentvolumeclaims": [
+        "Name",
+        "Status",
+        "Volume",
+        "Capacity",
+        "Access Modes",
+        "StorageClass",
+        "Age",
+    ],
+    "poddisruptionbudgets": [
+        "Name",
+        "Min Available",
+        "Max Unavailable",
+        "Allowed Disruptions",
+        "Age",
+    ],
+    "deployments": ["Name", "Ready", "Up-to-date", "Available", "Age"],
 }
+_INTEGER_COLUMNS = frozenset(
+    {"Restarts", "Data", "Secrets", "Allowed Disruptions", "Up-to-date", "Available"}
+)
 
 
 def table_of(res: Resource, objs: Sequence[Obj], list_meta: Obj) -> Obj:
@@ -92,7 +173,7 @@ def table_of(res: Resource, objs: Sequence[Obj], list_meta: Obj) -> Obj:
     columns = [
         {
             "name": col,
-            "type": "integer" if col in ("Restarts", "Data", "Secrets") else "string",
+            "type": "integer" if col in _INTEGER_COLUMNS else "string",
             "format": "name" if col == "Name" else "",
             "description": col,
             "priority": 0,

@@ -49,6 +49,8 @@ class PoolFigures:
     machines: int
     cards: Mapping[str, int]
     """By use: total, ours (busy and idle), others, free."""
+    refused: int = 0
+    """Machines whose worker pods the cluster refuses (Pod Security, GKE Autopilot)."""
 
 
 def pool_figures(machines: MachineList) -> dict[str, PoolFigures]:
@@ -59,6 +61,7 @@ def pool_figures(machines: MachineList) -> dict[str, PoolFigures]:
         out[status.pool] = PoolFigures(
             machines=len(mine),
             cards={use: sum(getattr(m.cards, use) for m in mine) for use in CARD_USES},
+            refused=sum(1 for m in mine if m.refused),
         )
     return out
 
@@ -150,12 +153,20 @@ class _States(Collector):
             "Cards on a pool's machines: all, held by our workers, by other pods, free.",
             labels=["pool", "use"],
         )
+        refused = GaugeMetricFamily(
+            "levers9_pool_refused_workers",
+            "Machines of a pool whose worker pods the cluster refuses (Pod Security, GKE "
+            "Autopilot); `levers9 machine list` says why and what to run.",
+            labels=["pool"],
+        )
         for pool, figures in sorted(scrape.pools.items()):
             machines.add_metric([pool], figures.machines)
             for use, n in figures.cards.items():
                 cards.add_metric([pool, use], n)
+            refused.add_metric([pool], figures.refused)
         yield machines
         yield cards
+        yield refused
         workers = GaugeMetricFamily(
             "levers9_workers",
             "Registered workers by mode and connection.",

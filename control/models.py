@@ -219,6 +219,9 @@ class MachineView:
     error: str | None = None
     """Why the last write for this node (its worker Job or Secret) failed; it is retried on
     the node's own backoff while the pool's other nodes go on."""
+    refused: str | None = None
+    """Why the cluster refuses the pods of this node's worker Job (Pod Security, GKE
+    Autopilot: Kubernetes' own words) and what to run; None once a pod is made."""
 
 
 @attrs.frozen

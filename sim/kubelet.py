@@ -110,6 +110,10 @@ def pod_gpus(pod: Mapping[str, Any]) -> int:
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.1
 """How often the stand-in is looked at."""
+CREATE_RETRY_S = 0.5
+CREATE_RETRY_CAP_S = 5.0
+"""A refused pod is created again after these, doubling, as the Job controller backs off
+(from 1 s to 1 min there; shorter here, for tests)."""
 GRACE_S = 30.0
 """How long an agent has between SIGTERM and SIGKILL when its pod does not say
 (`terminationGracePeriodSeconds`, whose default this is, as in Kubernetes)."""
@@ -503,6 +507,9 @@ class _Worker:
     pod_created: bool = False
     pod_uid: str = ""
     pending_note: str = ""
+    create_failures: int = 0
+    create_after: float = 0.0
+    """When (trio's clock) the pod may be created again after a refusal."""
     cards: tuple[int, ...] = ()
     started_at: str = ""
     process: trio.Process | None = None
@@ -776,6 +783,8 @@ class SimulatedKubelet:
             )
 
     def _schedule(self, worker: _Worker) -> None:
+        if not worker.pod_created and trio.current_time() < worker.create_after:
+            return  # refused lately: the Job controller's backoff
         node = worker.node.spec.name
         taken = self._held_by_us(node).union(*self._neighbours.get(node, {}).values())
         free = free_cards(worker.node.spec.cards, taken)
@@ -835,7 +844,8 @@ class SimulatedKubelet:
             "status": status,
         }
         try:
-            created = self._kube.create("pods", pod)
+            # As the Job controller: a pod refused (Pod Security) is an Event on the Job.
+            created = self._kube.create_job_pod(worker.job, pod)
         except KubeError as err:
             log.warning(
                 "pod %s/%s not created (%s); trying again",
@@ -843,6 +853,9 @@ class SimulatedKubelet:
                 worker.pod_name,
                 err.message,
             )
+            worker.create_failures += 1
+            backoff_s = CREATE_RETRY_S * 2 ** min(worker.create_failures - 1, 8)
+            worker.create_after = trio.current_time() + min(backoff_s, CREATE_RETRY_CAP_S)
             return False
         worker.pod_created = True
         worker.pod_uid = created["metadata"]["uid"]

@@ -726,7 +726,7 @@ def test_in_cluster_pool_gets_node_reading_and_a_worker_role(tmp_path: Path) -> 
             (frozenset({"batch"}), frozenset({"jobs"}), worker_verbs),
             (frozenset({""}), frozenset({"secrets"}), worker_verbs),
             (frozenset({""}), frozenset({"pods/log"}), frozenset({"get"})),
-            (frozenset({""}), frozenset({"events"}), frozenset({"create", "patch"})),
+            (frozenset({""}), frozenset({"events"}), frozenset({"create", "list", "patch"})),
         ],
         key=sorted_key,
     )

@@ -716,9 +716,11 @@ PASSES = (
 
 
 def with_busy(machine: Machine, busy: int = 0) -> dict[str, Any]:
-    """A machine's JSON as the pools' pass makes it, with our cards split into busy and idle."""
+    """A machine's JSON as the pools' pass makes it, with our cards split into busy and idle,
+    and why the cluster refuses its worker's pods (`refused`, null when it does not)."""
     shape = machine.to_json()
     shape["cards"] = {**shape["cards"], "busy": busy, "idle": machine.cards.ours - busy}
+    shape["refused"] = None
     return shape
 
 

@@ -27,6 +27,7 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "levers9_cache_unusable_total": ("counter", frozenset({"cache"})),
     "levers9_pool_machines": ("gauge", frozenset({"pool"})),
     "levers9_pool_cards": ("gauge", frozenset({"pool", "use"})),
+    "levers9_pool_refused_workers": ("gauge", frozenset({"pool"})),
     "levers9_workers": ("gauge", frozenset({"mode", "connected"})),
     "levers9_tunnels_open": ("gauge", frozenset()),
     "levers9_worker_connection_bytes_total": ("counter", frozenset({"mode", "direction"})),

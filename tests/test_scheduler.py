@@ -462,7 +462,9 @@ def test_a_task_larger_than_every_machine_names_the_largest_and_what_it_waits_fo
 
 def machine(id: str, cards: int, free: int, worker: str | None = None) -> MachineSize:
     """The machine of `worker(id)`: its node, with `free` cards no pod holds."""
-    return MachineSize("gpu", f"node-{id}", cards, free=free, worker=id if worker is None else worker)
+    return MachineSize(
+        "gpu", f"node-{id}", cards, free=free, worker=id if worker is None else worker
+    )
 
 
 def test_an_idle_worker_whose_cards_and_the_free_ones_fit_a_waiting_task_is_retired() -> None:

@@ -399,7 +399,7 @@ class Controlplane:
                     host_network=kube.host_network,
                     image=kube.image,
                     machines=len(status.machines) if status is not None else 0,
-                    error=status.error if status is not None else None,
+                    error=status.problem() if status is not None else None,
                     leader=run.elector.holder if run.elector is not None else None,
                 )
             )
@@ -897,7 +897,11 @@ def machine_list(
     (node → cards our tasks hold there). Pure."""
     busy = busy or {}
     return MachineList(
-        machines=tuple(_machine_view(m, busy) for status in statuses for m in status.machines),
+        machines=tuple(
+            _machine_view(m, busy, status.refused.get(m.node))
+            for status in statuses
+            for m in status.machines
+        ),
         pools=tuple(
             PoolPass(
                 pool=status.pool,
@@ -913,7 +917,9 @@ def machine_list(
     )
 
 
-def _machine_view(machine: Machine, busy: Mapping[str, int]) -> MachineView:
+def _machine_view(
+    machine: Machine, busy: Mapping[str, int], refused: str | None = None
+) -> MachineView:
     cards = machine.cards
     worker = machine.worker
     held = min(busy.get(machine.node, 0), cards.ours)
@@ -935,6 +941,7 @@ def _machine_view(machine: Machine, busy: Mapping[str, int]) -> MachineView:
         if worker is None
         else MachineWorker(state=WorkerState(worker.state), age_seconds=worker.age_seconds),
         error=machine.error,
+        refused=refused,
     )
 
 

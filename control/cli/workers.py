@@ -52,3 +52,6 @@ async def machine_list(args: argparse.Namespace) -> None:
     failing += [(p.pool, s.node, s.error) for p in listing.pools for s in p.skipped if s.error]
     for pool_name, node, error in failing:
         print(f"pool {pool_name}: node {node}: last write failed: {error}", file=sys.stderr)
+    for m in listing.machines:
+        if m.refused:
+            print(f"pool {m.pool}: node {m.node}: {m.refused}", file=sys.stderr)

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import ssl
 import tempfile
@@ -60,6 +61,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
 from agent.wire.errors import ApiError, ErrorCode
+from control.kube.podsecurity import PRIVILEGED_LABELS, refusal_advice
 from control.kube.pools import (
     DEFAULT_BURST,
     DEFAULT_QPS,
@@ -91,6 +93,7 @@ __all__ = [
     "KubeExpired",
     "KubeNotFound",
     "KubeObjects",
+    "KubeRefused",
     "KubeTlsError",
     "KubeUnavailable",
     "KubeUnreachable",
@@ -155,6 +158,16 @@ class KubeError(ApiError):
 
 class KubeAuthError(KubeError):
     """The credentials were refused (401) or lack a permission (403); fix config or RBAC."""
+
+
+class KubeRefused(KubeError):
+    """403 from the cluster's admission, not from RBAC: Pod Security or a policy webhook (GKE
+    Autopilot's) refused the object itself. `server_message` holds the cluster's words;
+    asking again does not help until the namespace or the cluster changes."""
+
+    def __init__(self, message: str, *, server_message: str) -> None:
+        super().__init__(ErrorCode.FAILED_PRECONDITION, message, status=403)
+        self.server_message = server_message
 
 
 class KubeNotFound(KubeError):
@@ -304,6 +317,12 @@ def translate_api_exception(exc: ApiException, op: Operation, *, pool: str) -> K
             field=f"worker.pools[{pool}].kubernetes.credentials",
             status=status,
         )
+    if status == 403 and _ADMISSION_REFUSAL.search(server_says):
+        advice = refusal_advice(server_says, op.namespace or "")
+        return KubeRefused(
+            f"{prefix}: the cluster refused it: {server_says}{'; ' + advice if advice else ''}",
+            server_message=server_says,
+        )
     if status == 403:
         # RBAC refuses the request itself: its verb and namespace are ours; the Status
         # details say the resource and group in the server's words.
@@ -348,6 +367,8 @@ def translate_api_exception(exc: ApiException, op: Operation, *, pool: str) -> K
     )
 
 
+_ADMISSION_REFUSAL = re.compile(r"violates PodSecurity|admission webhook .* denied the request")
+"""A 403 that admission gave (Pod Security, a policy webhook), not RBAC."""
 _TLS_ADVICE = (
     "TLS verification of the API server failed; check that "
     "config.worker.pools[{0}].kubernetes.caData is the CA of that endpoint"
@@ -620,6 +641,8 @@ class KubeApi(Protocol):
 
     async def ensure_namespace(self, namespace: str) -> None: ...
 
+    async def list_events(self, namespace: str, field_selector: str) -> list[dict[str, Any]]: ...
+
 
 class KubeObjects(Protocol):
     """What `levers9 cluster join` needs: objects of the kinds in `KINDS` by name (the API's
@@ -629,7 +652,9 @@ class KubeObjects(Protocol):
         self, kind: str, name: str, namespace: str | None = None
     ) -> dict[str, Any] | None: ...
 
-    async def create_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def create_object(
+        self, manifest: Mapping[str, Any], *, dry_run: bool = False
+    ) -> dict[str, Any]: ...
 
     async def replace_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
 
@@ -657,6 +682,7 @@ RBAC_GROUP = "rbac.authorization.k8s.io"
 COORDINATION_GROUP = "coordination.k8s.io"
 KINDS: Mapping[str, Kind] = {
     "Namespace": Kind("namespaces", "", "namespace", namespaced=False),
+    "Pod": Kind("pods", "", "namespaced_pod", namespaced=True),
     "ServiceAccount": Kind("serviceaccounts", "", "namespaced_service_account", namespaced=True),
     "Secret": Kind("secrets", "", "namespaced_secret", namespaced=True),
     "ClusterRole": Kind("clusterroles", RBAC_GROUP, "cluster_role", namespaced=False),
@@ -1039,6 +1065,16 @@ class KubeClient:
         )
         return result
 
+    async def list_events(self, namespace: str, field_selector: str) -> list[dict[str, Any]]:
+        """The Events in `namespace` its field selector picks (the Job controller's
+        `FailedCreate` about our Jobs: `control.kube.podsecurity`)."""
+        return await self._list(
+            Operation("list", "events", "", namespace),
+            self._core.list_namespaced_event,
+            namespace,
+            field_selector=field_selector,
+        )
+
     async def list_secrets(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """The Secrets matching the selector, data included (for the joined-pool store)."""
         return await self._list(
@@ -1054,7 +1090,9 @@ class KubeClient:
         await self._call(op, self._core.replace_namespaced_secret, name, namespace, dict(manifest))
 
     async def ensure_namespace(self, namespace: str) -> None:
-        """Create the namespace unless it exists. An identity that may not read namespaces
+        """Create the namespace unless it exists, labelled for Pod Security to let the
+        privileged worker pods in (one that exists is left as it is; a refusal then shows on
+        the nodes). An identity that may not read namespaces
         (`levers9 cluster join` grants none; it creates the namespace itself) goes on: a
         missing namespace then shows as the first Job that cannot be created."""
         try:
@@ -1074,7 +1112,11 @@ class KubeClient:
                 extra={"pool": self._pool, "namespace": namespace},
             )
             return
-        manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+        manifest = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": namespace, "labels": dict(PRIVILEGED_LABELS)},
+        }
         try:
             await self._call(
                 Operation("create", "namespaces", name=namespace),
@@ -1145,11 +1187,16 @@ class KubeClient:
             return None
         return _without_data(found)
 
-    async def create_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    async def create_object(
+        self, manifest: Mapping[str, Any], *, dry_run: bool = False
+    ) -> dict[str, Any]:
+        """Create the object; with `dry_run` the server only admits it (`dryRun=All`: every
+        admission check runs, nothing is stored), so a refusal says what it would refuse."""
         kind, name, namespace = _identity(manifest)
         op, fn = self._kind("create", kind, name, namespace)
         scope = (namespace,) if namespace is not None else ()
-        created: dict[str, Any] = await self._call(op, fn, *scope, dict(manifest))
+        extra: dict[str, Any] = {"dry_run": "All"} if dry_run else {}
+        created: dict[str, Any] = await self._call(op, fn, *scope, dict(manifest), **extra)
         return _without_data(created)
 
     async def replace_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,23 @@
 """`levers9 cluster join`: the keyless way to attach a cluster, with the operator's kubeconfig.
 
 The operator's own identity (their current kubeconfig context) creates what the controlplane
-needs on that cluster and nothing more: a namespace for the worker Jobs, a ServiceAccount, a
-ClusterRole to read nodes and pods, a Role in the namespace for Jobs, Secrets and pod logs,
-the two bindings, and a long-lived token Secret that Kubernetes fills in. The token then goes
-to the controlplane over its API (`PUT /v1/pools/{name}`) and nowhere else: never a file,
-never argv, never the terminal. Everything is created once and brought back to the wanted
+needs on that cluster and nothing more: a namespace for the worker Jobs (labelled for Pod
+Security to admit the privileged worker pods), a ServiceAccount, a ClusterRole to read nodes
+and pods, a Role in the namespace for Jobs, Secrets, pod logs and Events, the two bindings, and
+a long-lived token Secret that Kubernetes fills in. The token then goes to the controlplane over
+its API (`PUT /v1/pools/{name}`) and nowhere else: never a file, never argv, never the
+terminal. Everything is created once and brought back to the wanted
 shape on a rerun (rules are replaced, the ServiceAccount and its token are kept), so joining
 again is safe and repairs a hand-edited role.
+
+Before it creates anything, the join asks whether the cluster would admit a worker pod: an
+existing namespace whose `pod-security.kubernetes.io/enforce` label is not `privileged` is
+refused with the `kubectl label` command that fixes it (the join runs with the operator's
+credentials, but relabelling a namespace someone else made is theirs to decide), and a
+worker-shaped pod is created as a server-side dry run (`dryRun=All`: every admission check
+runs, nothing is stored). That is how a GKE Autopilot cluster, which refuses privileged pods in
+every namespace, is told apart through the Kubernetes API alone; a dry run that cannot tell
+(no permission to create pods, a webhook without dry-run support) is passed over.
 
 The manifests are pure functions; `ClusterSide` carries them out through the one Kubernetes
 adapter (`control.kube.adapter`, with a client for the operator's kubeconfig context) and
@@ -32,6 +42,7 @@ from control.kube.adapter import (
     KubeconfigError,
     KubeError,
     KubeObjects,
+    KubeRefused,
     KubeTlsError,
     KubeUnreachable,
     NotAKubeconfig,
@@ -39,6 +50,12 @@ from control.kube.adapter import (
     open_kubeconfig_client,
 )
 from control.kube.planner import POOL_LABEL
+from control.kube.podsecurity import (
+    AUTOPILOT_ADVICE,
+    PRIVILEGED_LABELS,
+    label_command,
+)
+from control.kube.podsecurity import namespace_refusal as pod_security_refusal
 
 __all__ = [
     "CLUSTER_RULES",
@@ -53,6 +70,8 @@ __all__ = [
     "namespace_refusal",
     "open_cluster_side",
     "pool_block",
+    "probe_pod",
+    "probe_refusal",
 ]
 
 SERVICE_ACCOUNT = "levers9-controlplane"
@@ -81,10 +100,14 @@ NAMESPACE_RULES: tuple[Mapping[str, Any], ...] = (
         "verbs": ["create", "delete", "get", "list", "watch"],
     },
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "list", "patch"]},
 )
-"""In the pool's namespace only: worker Jobs, their token Secrets, worker logs, and the Events
-that say why a Job was created or deleted (`control.kube.events`)."""
+"""In the pool's namespace only: worker Jobs, their token Secrets, worker logs, the Events
+that say why a Job was created or deleted (`control.kube.events`), and the Job controller's
+Events that say the cluster refuses a worker's pods (`control.kube.podsecurity`)."""
+PROBE_POD = "levers9-admission-probe"
+PROBE_NAMESPACE = "default"
+"""Where the dry run goes while the pool's namespace does not exist yet."""
 
 
 class JoinError(Exception):
@@ -108,17 +131,17 @@ def manifests(namespace: str, pool: str | None = None) -> list[tuple[str, dict[s
             out["namespace"] = ns
         return out
 
+    # Pod Security lets the privileged worker pods into a namespace the join creates.
+    namespace_meta = (
+        meta(namespace, annotations={CREATED_FOR: pool}) if pool is not None else meta(namespace)
+    )
+    namespace_meta["labels"] = {**labels, **PRIVILEGED_LABELS}
+
     rbac = "rbac.authorization.k8s.io/v1"
     return [
         (
             "Namespace",
-            {
-                "apiVersion": "v1",
-                "kind": "Namespace",
-                "metadata": meta(namespace, annotations={CREATED_FOR: pool})
-                if pool is not None
-                else meta(namespace),
-            },
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": namespace_meta},
         ),
         (
             "ServiceAccount",
@@ -188,6 +211,55 @@ def manifests(namespace: str, pool: str | None = None) -> list[tuple[str, dict[s
             },
         ),
     ]
+
+
+def probe_pod(namespace: str) -> dict[str, Any]:
+    """A pod shaped as a worker's where admission looks (privileged, hostNetwork, a hostPath
+    volume written to), for the join's dry run; never stored."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": PROBE_POD, "namespace": namespace, "labels": dict(MANAGED)},
+        "spec": {
+            "hostNetwork": True,
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "agent",
+                    "image": "registry.k8s.io/pause:3.9",
+                    "securityContext": {"privileged": True},
+                    "volumeMounts": [{"name": "objects", "mountPath": "/var/lib/levers9"}],
+                }
+            ],
+            "volumes": [
+                {
+                    "name": "objects",
+                    "hostPath": {"path": "/var/lib/levers9", "type": "DirectoryOrCreate"},
+                }
+            ],
+        },
+    }
+
+
+def probe_refusal(namespace: str, probed_in: str, server_message: str) -> str | None:
+    """Why the join stops when a dry run of a worker-shaped pod in `probed_in` was refused
+    with `server_message`, or None when that says nothing about `namespace` (Pod Security
+    in another namespace: the one the join creates is labelled privileged)."""
+    if "Autopilot" in server_message:
+        return f"{AUTOPILOT_ADVICE}. The cluster refused a worker pod: {server_message}"
+    if probed_in != namespace:
+        return None
+    if "violates PodSecurity" in server_message:
+        return (
+            f"Pod Security admission refuses levers9's worker pods in namespace {namespace} "
+            f"(the cluster's default level applies to it): {server_message}. Run "
+            f"`{label_command(namespace)}` (with your own kubeconfig) and join again"
+        )
+    return (
+        f"the cluster's admission refuses levers9's privileged worker pods in namespace "
+        f"{namespace}: {server_message}. Ask its administrator to admit them there, or join "
+        "with another --namespace"
+    )
 
 
 def pool_block(
@@ -293,6 +365,7 @@ class ClusterSide:
         created here is marked as `pool`'s."""
         steps: list[str] = []
         ns = namespace
+        await self._check_admission(ns)
         for kind, manifest in manifests(namespace, pool):
             name = manifest["metadata"]["name"]
             scope = None if kind in CLUSTER_SCOPED_KINDS else ns
@@ -313,6 +386,25 @@ class ClusterSide:
         return Joined(
             endpoint=self.endpoint, ca_pem=ca or self.ca_pem, token=token, steps=tuple(steps)
         )
+
+    async def _check_admission(self, ns: str) -> None:
+        """Raises a JoinError when the cluster would refuse the worker pods: the namespace's
+        Pod Security label, then a dry run of a worker-shaped pod."""
+        with self._step(f"read namespace {ns}"):
+            found = await self.api.read_object("Namespace", ns)
+        if found is not None:
+            refusal = pod_security_refusal(ns, found)
+            if refusal is not None:
+                raise JoinError(refusal)
+        probed_in = ns if found is not None else PROBE_NAMESPACE
+        try:
+            await self.api.create_object(probe_pod(probed_in), dry_run=True)
+        except KubeRefused as exc:
+            refusal = probe_refusal(ns, probed_in, exc.server_message)
+            if refusal is not None:
+                raise JoinError(refusal) from None
+        except KubeError:
+            pass  # it cannot tell (no right to create pods, a webhook without dry run)
 
     async def _token(self, ns: str) -> tuple[str, bytes | None]:
         with self._step(f"read secret {ns}/{TOKEN_SECRET}"):

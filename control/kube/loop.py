@@ -73,6 +73,7 @@ from control.kube.planner import (
     with_job_uid,
     worker_labels,
 )
+from control.kube.podsecurity import EVENTS_SELECTOR, refused_nodes
 from control.kube.pools import PoolConfig
 from control.models import WorkerState
 from control.registry import WorkerRegistry
@@ -109,7 +110,8 @@ def settings_of(pool: PoolConfig) -> PoolSettings:
 @attrs.frozen
 class PoolStatus:
     """What the last pass saw: the machines, the nodes that are not, and any failure: the
-    pass's own (`error`), or a node's write (`Machine.error`, `failed`)."""
+    pass's own (`error`), a node's write (`Machine.error`, `failed`), or the cluster refusing
+    a node's worker pods (`refused`)."""
 
     pool: str
     machines: tuple[Machine, ...] = ()
@@ -118,6 +120,20 @@ class PoolStatus:
     error: str | None = None
     failed: Mapping[str, str] = attrs.field(factory=dict)
     """Nodes whose last write failed, and why; each is retried on its own backoff."""
+    refused: Mapping[str, str] = attrs.field(factory=dict)
+    """Nodes whose worker Job's pods the cluster refuses (Pod Security, GKE Autopilot), in
+    its words and with what to run (`control.kube.podsecurity`); gone once a pod is made."""
+
+    def problem(self) -> str | None:
+        """The pool's trouble in one line (`levers9 cluster list`): the pass's error, else
+        the first node's refusal (and how many more nodes have one)."""
+        if self.error is not None or not self.refused:
+            return self.error
+        node = min(self.refused)
+        more = len(self.refused) - 1
+        return f"node {node}: {self.refused[node]}" + (
+            f" (and {more} more node(s))" if more else ""
+        )
 
 
 @attrs.frozen
@@ -250,6 +266,9 @@ class PoolReconciler:
         """Writes of this reconciler its caches have not shown yet; their nodes are held."""
         self.failures: dict[str, KeyFailure] = {}
         """Nodes whose last write failed, retried each on its own backoff."""
+        self.refused: dict[str, str] = {}
+        """Nodes whose worker's pods the cluster refuses, as the last pass read it."""
+        self._events_unreadable: str | None = None
         self.retiring: dict[str, str] = {}
         """Idle workers to delete at the next pass, and why (`retire`)."""
 
@@ -383,6 +402,7 @@ class PoolReconciler:
             skipped=plan.skipped,
             passed_at=self.clock(),
             failed=failed,
+            refused=dict(self.refused),
         )
         level = logging.INFO if plan.actions else logging.DEBUG
         log.log(
@@ -439,6 +459,7 @@ class PoolReconciler:
         await self._adopt_tokens(jobs)
         await self._note_finished(jobs)
         self._fold_in(jobs, now)
+        self.refused = await self._refused(jobs)
         active = {job.name for job in jobs if job.active}
         for gone in set(self.retiring) - active:
             del self.retiring[gone]
@@ -467,6 +488,46 @@ class PoolReconciler:
                 nursery.start_soon(self._apply, node, actions, now, counts, limiter)
         counts.failed = len(self.failures)
         return plan
+
+    async def _refused(self, jobs: list[JobFacts]) -> dict[str, str]:
+        """Nodes whose worker's pods the cluster refuses, from the Job controller's
+        `FailedCreate` Events (listed only while a live Job of ours has no pod, so a pool
+        whose workers run reads nothing more). Advisory: Events that cannot be read leave the
+        nodes as they were, and a Role without `list` on events is a warning once."""
+        waiting = [job for job in jobs if job.active and job.pods == 0 and job.uid]
+        if not waiting:
+            return {}
+        namespace = self.settings.namespace
+        events = None
+        try:
+            with trio.move_on_after(EVENT_WAIT_S):
+                events = await self.kube.list_events(namespace, EVENTS_SELECTOR)
+        except KubeError as exc:
+            if exc.message != self._events_unreadable:
+                self._events_unreadable = exc.message
+                denied = exc.code is ErrorCode.PERMISSION_DENIED
+                log.log(
+                    logging.WARNING if denied else logging.DEBUG,
+                    "pool %s: cannot read the Job controller's Events, so pods the cluster "
+                    "refuses are not shown: %s",
+                    self.settings.name,
+                    exc.message,
+                    extra={"pool": self.settings.name, "error": exc.code.name},
+                )
+        if events is None:
+            live = {job.node for job in waiting}
+            return {node: why for node, why in self.refused.items() if node in live}
+        self._events_unreadable = None
+        refused = refused_nodes(namespace, waiting, events)
+        for node in refused.keys() - self.refused.keys():
+            log.warning(
+                "pool %s: node %s: %s",
+                self.settings.name,
+                node,
+                refused[node],
+                extra={"pool": self.settings.name, "node": node},
+            )
+        return refused
 
     def _expected_jobs(self, jobs: list[JobFacts], secrets: set[str]) -> list[JobFacts]:
         """Settle the writes the caches now show, and count the Jobs created but not shown

@@ -365,7 +365,8 @@ async function machinesView(signal) {
               h("td", { text: `${(m.cpuFreeMillis / 1000).toFixed(1)} cores` }),
               h("td", { text: bytes(m.memoryFreeBytes) }),
               h("td", {}, m.worker ? `${m.worker.state} · ${ago(m.worker.ageSeconds)}` : h("span", { class: "muted", text: "none" }),
-                m.error ? h("div", { class: "notice error node-error" }, h("strong", { text: "Last write failed: " }), m.error) : null))))),
+                m.error ? h("div", { class: "notice error node-error" }, h("strong", { text: "Last write failed: " }), m.error) : null,
+                m.refused ? h("div", { class: "notice error node-error" }, h("strong", { text: "Pods refused: " }), m.refused) : null))))),
           pool.skipped?.length ? h("details", {}, h("summary", { text: "Nodes left out" }),
             h("ul", {}, pool.skipped.map((s) => h("li", {}, h("strong", { text: s.node }), `: ${s.reason}`,
               s.error ? h("span", { class: "node-error" }, ` (last write failed: ${s.error})`) : null)))) : null);

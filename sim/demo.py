@@ -13,10 +13,13 @@ way, with `levers9 cluster join` and an operator's kubeconfig: the join makes a 
 with least-privilege RBAC on the stand-in (which enforces it) and hands its token to the
 controlplane, which keeps the pool as a Secret in its own namespace.
 
-One node shares its cards with a neighbour: a pod outside levers9 holding two of its four
-cards exists before the controlplane's first reconcile, so the machine list shows them as held
-by others and the worker there never takes them. The demo exits 0 only if every step worked,
-else it says which step failed and exits 1; it stops everything it started either way.
+One node shares its cards with a neighbour: a model server outside levers9 (a Deployment of one
+replica) holds two of its four cards before the controlplane's first reconcile, so the machine
+list shows them as held by others and the worker there never takes them. At the end the model
+server is scaled down with `kubectl scale`, as the product page tells an operator to borrow its
+cards, and a 4-card task runs on that node: the idle 2-card worker is retired for it and the next
+one takes every card. The demo exits 0 only if every step worked, else it says which step failed
+and exits 1; it stops everything it started either way.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from agent.wire.logs import setup_logging
 from control.cli.client import ControlClient
 from sim.cluster import POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
 from sim.kubeapi.http import start_kube_standin
-from sim.kubeapi.objects import make_pod
 from sim.kubelet import SimNode
 from sim.registry import busybox_image, running_registry
 
@@ -231,6 +233,50 @@ async def _join_tunnel_pool(cluster: Cluster, kubeconfig: Path) -> None:
     )
 
 
+def model_server(node: str, cards: int) -> dict[str, object]:
+    """The neighbour: a Deployment of one replica pinned to `node`, holding `cards` cards."""
+    labels = {"app": NEIGHBOUR}
+    container = {
+        "name": "server",
+        "image": "registry.example.test/model-server:latest",
+        "resources": {"limits": {"nvidia.com/gpu": str(cards)}},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": NEIGHBOUR, "namespace": "default"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": node},
+                    "containers": [container],
+                },
+            },
+        },
+    }
+
+
+async def _borrow_from_model_server(cluster: Cluster, kubeconfig: Path, image: str) -> None:
+    """Scale the model server down as the product page says, and run a task on every card of
+    its node: the idle worker there held 2 and is retired for the task."""
+    scale = ["scale", "deployment", NEIGHBOUR, "--replicas=0", "-n", "default"]
+    say(f"\n$ kubectl {shlex.join(scale)}")
+    with deadline("kubectl scale", CALL_S):
+        result = await trio.run_process(
+            ["kubectl", "--kubeconfig", str(kubeconfig), *scale],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    if text := (result.stdout + result.stderr).decode(errors="replace").rstrip():
+        say(text)
+    _check_exit(result, "kubectl scale")
+    await _run_gpu_task(cluster, image, TUNNEL_CARDS)
+
+
 def sign_in_lines(url: str, ca_file: Path, tokens: Sequence[tuple[str, str, Path]]) -> list[str]:
     """How to sign in to the dashboard and log the CLI in, for each (who, context, token
     file): the token stays in its file, read by `cat` or on the CLI's stdin."""
@@ -282,7 +328,8 @@ async def run_demo(workdir: Path, keep: bool = False) -> None:
             os.environ.update(controlplane_pod(kube.kube, workdir / "serviceaccount"))
             kubeconfig = kube.kube.write_kubeconfig(workdir / "operator-kubeconfig")
             # Before the nodes exist, so the first reconcile and the kubelet already see it.
-            kube.kube.add_pod(make_pod(NEIGHBOUR, TUNNEL_NODE, gpu_limit=NEIGHBOUR_CARDS))
+            # Its pod is bound once the kubelet adds the node.
+            kube.kube.create("deployments", model_server(TUNNEL_NODE, NEIGHBOUR_CARDS))
             async with open_cluster(
                 workdir / "cluster",
                 kube.kube,
@@ -296,8 +343,8 @@ async def run_demo(workdir: Path, keep: bool = False) -> None:
             ) as cluster:
                 say(
                     f"controlplane {cluster.url}; pool direct-pool ({DIRECT_NODE}, direct) from "
-                    f"its config; pod default/{NEIGHBOUR} holds {NEIGHBOUR_CARDS} cards of "
-                    f"{TUNNEL_NODE}, which joins as tunnel-pool"
+                    f"its config; deployment default/{NEIGHBOUR} holds {NEIGHBOUR_CARDS} cards "
+                    f"of {TUNNEL_NODE}, which joins as tunnel-pool"
                 )
                 await _join_tunnel_pool(cluster, kubeconfig)
                 with deadline("both workers registering", WORKERS_READY_S):
@@ -311,10 +358,21 @@ async def run_demo(workdir: Path, keep: bool = False) -> None:
                     await _run_gpu_task(cluster, image, 2)
                     await _serve_http(cluster, client, image)
                     _check_exit(await _levers9(cluster, "task", "list"), "levers9 task list")
+                    await _borrow_from_model_server(cluster, kubeconfig, image)
+                # The tunnel node's worker is a new one since the model server scaled down.
+                with deadline("both workers registering", WORKERS_READY_S):
+                    workers = await cluster.wait_workers(2)
                 await _wait_containers_removed(cluster, workers)
                 say(
                     "\ndemo finished: a cluster joined with no key, a 1-card and a 2-card task "
-                    "ran on their cards, and a task's HTTP port answered through the controlplane"
+                    "ran on their cards, a task's HTTP port answered through the controlplane, "
+                    f"and the {TUNNEL_CARDS} cards of {TUNNEL_NODE} took a task once the model "
+                    "server scaled down"
+                )
+                say(
+                    f"\nthe cluster, as its operator: kubectl --kubeconfig {kubeconfig} get "
+                    f"deploy,jobs,pods -A (kubectl ... scale deployment {NEIGHBOUR} --replicas=1 "
+                    "brings the model server back once a card is free)"
                 )
                 await _show_dashboard(cluster, workdir, keep)
         finally:

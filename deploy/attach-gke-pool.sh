@@ -182,6 +182,10 @@ def fail(msg):
     sys.exit(1)
 if not c.get("endpoint") or not c.get("masterAuth", {}).get("clusterCaCertificate"):
     fail("cluster %s has no public endpoint or CA in its description" % cluster)
+if (c.get("autopilot") or {}).get("enabled"):
+    fail("cluster %s is a GKE Autopilot cluster, and Autopilot does not admit privileged pods:"
+         " a levers9 worker is one (privileged, hostNetwork, hostPath volumes). Use a GKE"
+         " Standard cluster with a GPU node pool" % cluster)
 pools, kinds = {}, []
 for p in c.get("nodePools", []):
     for a in p.get("config", {}).get("accelerators", []):

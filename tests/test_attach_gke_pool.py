@@ -27,7 +27,7 @@ import trustme
 import yaml
 
 from control.kube.pools import Flavor, GkeCredentials, load_pools
-from sim.cloud.standin import read_calls, read_state, write_state
+from sim.cloud.standin import read_calls, read_state, set_autopilot, write_state
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "deploy" / "attach-gke-pool.sh"
@@ -507,6 +507,22 @@ def test_several_gpu_types_need_accelerator_and_pool_tags_are_the_firewall_targe
         "cloud.google.com/gke-accelerator": "nvidia-l4"
     }
     assert world.state()["gcp"]["firewalls"][FIREWALL]["targetTags"] == ["levers9-gpu"]
+
+
+def test_an_autopilot_cluster_is_refused_before_any_change(world: World) -> None:
+    set_autopilot(world.state_dir, REGION, CLUSTER)
+
+    refused = world.run()
+
+    assert refused.returncode == 1
+    assert f"cluster {CLUSTER} is a GKE Autopilot cluster" in refused.stderr
+    assert "does not admit privileged pods" in refused.stderr
+    assert "Use a GKE Standard cluster" in refused.stderr
+    assert _changing(world.calls()) == []
+    assert refused.stdout == "" and not world.private_values.exists()
+
+    set_autopilot(world.state_dir, REGION, CLUSTER, enabled=False)
+    world.ok()
 
 
 def test_authorized_networks_that_are_off_stay_off(world: World) -> None:

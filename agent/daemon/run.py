@@ -195,7 +195,10 @@ async def _serve_with(
 ) -> None:
     async with trio.open_nursery() as nursery:
         if config.mode == "direct":
-            cert_key = make_self_signed(f"levers9-worker-{config.worker_id}", cert_hosts(config))
+            # A worker id is its Job's name, up to 63 characters on a GKE node's long name; a
+            # certificate's common name holds 64 and is only a label (peers pin the fingerprint).
+            common_name = f"levers9-worker-{config.worker_id}"[:64]
+            cert_key = make_self_signed(common_name, cert_hosts(config))
             port = await nursery.start(serve_direct, config, service, cert_key)
             nursery.start_soon(
                 register_loop, config, registration(config, state, cert_key.fingerprint, port)

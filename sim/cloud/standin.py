@@ -8,11 +8,18 @@ these stand-ins first on PATH. They model the real CLIs' subcommands, flags, JSO
 script which passes here runs unchanged against the real tools, and they refuse, loudly and
 with a "cloud stand-in:" line, every subcommand or flag they do not model instead of guessing.
 
+They also model what docs/gke.md's recipe runs before the script: `aws ecr create-repository`
+and `make images`' push (a `skopeo copy` from buildah's `containers-storage:` to ECR, refused
+for a repository not created). A service-account key names the fake cloud's token endpoint
+(`gcp.tokenUri`, served by sim.cloud.oauth) when there is one, and its public half stays in the
+state, as Google keeps it, so that endpoint can check what the key signed.
+
 All four share one JSON state file (`state.json`: a GCP project, an AWS account with ECR and
-EKS, the EKS cluster's nodes) in the directory named by `$CLOUD_STANDIN_STATE`, and append
-each call's argv, whether stdin was read (never what it held) and the exit status to
-`calls.jsonl` beside it. A lock file serialises calls: `aws ecr get-login-password | skopeo
-login --password-stdin` runs both at once, so stdin is read before the lock is taken.
+EKS, the EKS cluster's nodes, the images buildah left in local storage as `containersStorage`)
+in the directory named by `$CLOUD_STANDIN_STATE`, and append each call's argv, whether stdin
+was read (never what it held) and the exit status to `calls.jsonl` beside it. A lock file
+serialises calls: `aws ecr get-login-password | skopeo login --password-stdin` runs both at
+once, so stdin is read before the lock is taken.
 
 The executables are bash wrappers that run this file with `$CLOUD_STANDIN_PYTHON` (a Python
 with `cryptography`, which makes the service-account keys' real PEM private keys).
@@ -35,6 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 STATE_ENV = "CLOUD_STANDIN_STATE"
+GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
 STATE_FILE = "state.json"
 CALLS_FILE = "calls.jsonl"
 _LOCK_FILE = "lock"
@@ -60,6 +68,15 @@ def read_state(state_dir: Path) -> State:
     """The fake cloud's state as the stand-ins left it."""
     loaded: State = json.loads((state_dir / STATE_FILE).read_text())
     return loaded
+
+
+def set_autopilot(state_dir: Path, location: str, name: str, enabled: bool = True) -> None:
+    """Make GKE cluster `location/name` an Autopilot one (`autopilot.enabled`, as `gcloud
+    container clusters create-auto` makes it), or a Standard one again."""
+    state = read_state(state_dir)
+    cluster = state["gcp"]["clusters"][f"{location}/{name}"]
+    cluster["autopilot"] = {"enabled": True} if enabled else {}
+    write_state(state_dir, state)
 
 
 def read_calls(state_dir: Path) -> list[dict[str, Any]]:
@@ -288,15 +305,17 @@ class _Gcloud:
                 "most 10 user-managed keys)"
             )
         key_id = secrets.token_hex(20)
+        private_pem, public_pem = _new_key_pair_pem()
         info = {
             "type": "service_account",
             "project_id": self.project,
             "private_key_id": key_id,
-            "private_key": _new_private_key_pem(),
+            "private_key": private_pem,
             "client_email": email,
             "client_id": sa["uniqueId"],
             "auth_uri": "https://accounts.google.com/o/oauth2/auth",
-            "token_uri": "https://oauth2.googleapis.com/token",
+            # Google's, unless the fake cloud runs its own token endpoint (sim.cloud.oauth).
+            "token_uri": self.gcp.get("tokenUri", GOOGLE_TOKEN_URI),
             "auth_provider_x509_cert_url": "https://www.googleapis.com/oauth2/v1/certs",
             "client_x509_cert_url": "https://www.googleapis.com/robot/v1/metadata/x509/"
             + email.replace("@", "%40"),
@@ -308,8 +327,9 @@ class _Gcloud:
             raise self.error(f"Unable to write file [{target}]: {exc}") from None
         with os.fdopen(fd, "w") as out:
             json.dump(info, out, indent=2)
-        # Google keeps the public half only; the private key lives in that file alone.
-        sa["keys"].append({"id": key_id, "validAfterTime": _now()})
+        # Google keeps the public half only (it checks the key's signatures with it); the
+        # private key lives in that file alone.
+        sa["keys"].append({"id": key_id, "validAfterTime": _now(), "publicKey": public_pem})
         return Out(stderr=f"created key [{key_id}] of type [json] as [{target}] for [{email}]")
 
     # projects
@@ -406,7 +426,8 @@ class _Gcloud:
 
     def cluster_describe(self) -> Out:
         key, _ = self.cluster_key()
-        return Out(self.render(self.gcp["clusters"][key]))
+        # The API says `autopilot: {}` of a Standard cluster, `{"enabled": true}` of the other.
+        return Out(self.render({"autopilot": {}, **self.gcp["clusters"][key]}))
 
     def cluster_update(self) -> Out:
         key, name = self.cluster_key()
@@ -628,16 +649,23 @@ def gcloud(state: State, argv: Sequence[str], stdin: str) -> Out:
     return method(_Gcloud(path, state, args))
 
 
-def _new_private_key_pem() -> str:
+def _new_key_pair_pem() -> tuple[str, str]:
+    """A service-account key: its private half (PKCS#8 PEM) and its public half (SPKI PEM)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
 
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.private_bytes(
+    private = key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     ).decode()
+    public = (
+        key.public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+    return private, public
 
 
 # --- kubectl -------------------------------------------------------------------------------
@@ -683,6 +711,7 @@ def aws(state: State, argv: Sequence[str], stdin: str) -> Out:
     account = state["aws"]
     commands: dict[tuple[str, str], dict[str, str]] = {
         ("ecr", "get-login-password"): {},
+        ("ecr", "create-repository"): {"--repository-name": VALUE},
         ("eks", "describe-cluster"): {"--name": VALUE},
         ("ec2", "describe-nat-gateways"): {"--filter": MULTI, "--nat-gateway-ids": MULTI},
     }
@@ -717,6 +746,8 @@ def aws(state: State, argv: Sequence[str], stdin: str) -> Out:
         if password is None:
             raise _aws_error("UnrecognizedClientException", "GetAuthorizationToken", "no ECR")
         return Out(password + "\n")
+    if command == ("ecr", "create-repository"):
+        return _ecr_create_repository(account, region, args.value("--repository-name"))
     if command == ("eks", "describe-cluster"):
         name = args.value("--name")
         if name is None:
@@ -746,6 +777,43 @@ def aws(state: State, argv: Sequence[str], stdin: str) -> Out:
             )
         gateways = [g for g in gateways if g.get(names[name]) in values]
     return Out(json.dumps({"NatGateways": gateways}, indent=4) + "\n")
+
+
+_ECR_REPOSITORY = re.compile(r"(?:[a-z0-9]+(?:[._-][a-z0-9]+)*/)*[a-z0-9]+(?:[._-][a-z0-9]+)*")
+
+
+def _ecr_create_repository(account: State, region: str, name: str | None) -> Out:
+    if name is None:
+        raise CliError(
+            "\naws: error: the following arguments are required: --repository-name\n", 252
+        )
+    if not _ECR_REPOSITORY.fullmatch(name) or len(name) > 256:
+        raise _aws_error(
+            "InvalidParameterException",
+            "CreateRepository",
+            f"Invalid parameter at 'repositoryName' failed to satisfy constraint: '{name}'",
+        )
+    repositories = account.setdefault("repositories", {})
+    if f"{region}/{name}" in repositories:
+        raise _aws_error(
+            "RepositoryAlreadyExistsException",
+            "CreateRepository",
+            f"The repository with name '{name}' already exists in the registry with id "
+            f"'{account['accountId']}'",
+        )
+    host = f"{account['accountId']}.dkr.ecr.{region}.amazonaws.com"
+    repository = {
+        "repositoryArn": f"arn:aws:ecr:{region}:{account['accountId']}:repository/{name}",
+        "registryId": account["accountId"],
+        "repositoryName": name,
+        "repositoryUri": f"{host}/{name}",
+        "createdAt": _now(),
+        "imageTagMutability": "MUTABLE",
+        "imageScanningConfiguration": {"scanOnPush": False},
+        "encryptionConfiguration": {"encryptionType": "AES256"},
+    }
+    repositories[f"{region}/{name}"] = repository
+    return Out(json.dumps({"repository": repository}, indent=4) + "\n")
 
 
 # --- skopeo --------------------------------------------------------------------------------
@@ -820,48 +888,90 @@ def _docker_ref(ref: str) -> tuple[str, str]:
     return name.split("/", 1)[0], name
 
 
+_LOCAL_STORAGE = "containers-storage:"
+
+
+def _fatal(message: str) -> CliError:
+    return CliError(f'time="{_now()}" level=fatal msg="{message}"', 1)
+
+
+def _copy_source(state: State, ref: str, logins: Mapping[str, str]) -> tuple[str, State]:
+    """The image a copy reads: one buildah built (`containers-storage:`, what `make images`
+    pushes; the state's `containersStorage`) or one in ECR. Its name and record."""
+    if ref.startswith(_LOCAL_STORAGE):
+        name = ref.removeprefix(_LOCAL_STORAGE)
+        local = state.get("containersStorage", {}).get(name)
+        if local is None:
+            raise _fatal(
+                f"initializing source {ref}: reference "
+                f'\\"[overlay@/var/lib/containers/storage]{name}\\" does not resolve to an '
+                "image ID: identifier is not an image"
+            )
+        return name, local
+    host, src = _docker_ref(ref)
+    if host not in logins:
+        raise _fatal(
+            f"initializing source docker://{src}: reading manifest: no basic auth credentials"
+        )
+    image = state["aws"]["images"].get(src)
+    if image is None:
+        raise _fatal(
+            f"initializing source docker://{src}: reading manifest: name unknown: The "
+            "repository does not exist in the registry"
+        )
+    found: State = image
+    return src, found
+
+
 def _skopeo_copy(state: State, argv: Sequence[str]) -> Out:
+    """ECR to Artifact Registry (attach-gke-pool.sh), or a local build to ECR (`make images`)."""
     try:
-        args = parse(argv, {"--all": FLAG, "-a": FLAG, "--authfile": VALUE, "--quiet": FLAG})
+        args = parse(
+            argv,
+            {
+                "--all": FLAG,
+                "-a": FLAG,
+                "--authfile": VALUE,
+                "--quiet": FLAG,
+                "--dest-tls-verify": VALUE,
+            },
+        )
     except Usage as exc:
         raise CliError(f"Error: {exc}", 125) from None
     if len(args.positionals) != 2:
         raise CliError("Error: Exactly two arguments expected", 125)
-    (src_host, src), (dst_host, dst) = (_docker_ref(ref) for ref in args.positionals)
     logins = state["skopeo"]["logins"].get(_authfile_key(args), {})
-    image = state["aws"]["images"].get(src)
-    if src_host not in logins:
-        raise CliError(
-            f'time="{_now()}" level=fatal msg="initializing source docker://{src}: reading '
-            f'manifest: no basic auth credentials"',
-            1,
-        )
-    if image is None:
-        raise CliError(
-            f'time="{_now()}" level=fatal msg="initializing source docker://{src}: reading '
-            'manifest: name unknown: The repository does not exist in the registry"',
-            1,
-        )
-    match = _AR_HOST.fullmatch(dst_host)
+    src, image = _copy_source(state, args.positionals[0], logins)
+    dst_host, dst = _docker_ref(args.positionals[1])
     parts = dst.split("/")
+    ecr = _ECR_HOST.fullmatch(dst_host)
     repo = None
-    if match is not None and len(parts) >= 4 and parts[1] == state["gcp"]["project"]:
-        repo = state["gcp"]["repositories"].get(f"{match.group(1)}/{parts[2]}")
+    if ecr is not None and ecr.group(1) == state["aws"]["accountId"]:
+        name = dst.split("/", 1)[1].rsplit(":", 1)[0]
+        repo = state["aws"].get("repositories", {}).get(f"{ecr.group(2)}/{name}")
+    elif (match := _AR_HOST.fullmatch(dst_host)) is not None:
+        if len(parts) >= 4 and parts[1] == state["gcp"]["project"]:
+            repo = state["gcp"]["repositories"].get(f"{match.group(1)}/{parts[2]}")
+    else:
+        raise CliError(f"cloud stand-in: copying to {dst_host} is not modelled", 2)
     if dst_host not in logins:
-        raise CliError(
-            f'time="{_now()}" level=fatal msg="trying to reuse blob at destination: '
-            'unauthorized: authentication required"',
-            1,
-        )
+        raise _fatal("trying to reuse blob at destination: unauthorized: authentication required")
     if repo is None:
-        raise CliError(
-            f'time="{_now()}" level=fatal msg="writing blob: initiating layer upload to '
-            f'{dst}: name unknown: Repository not found"',
-            1,
+        if ecr is not None:
+            raise _fatal(
+                f"writing blob: initiating layer upload to {dst}: name unknown: The repository "
+                f"with name '{name}' does not exist in the registry with id "
+                f"'{state['aws']['accountId']}'"
+            )
+        raise _fatal(
+            f"writing blob: initiating layer upload to {dst}: name unknown: Repository not found"
         )
-    copied = state["gcp"]["images"].setdefault(dst, {"copies": 0})
-    copied.update(digest=image["digest"], source=src, copies=copied["copies"] + 1)
-    copied["all"] = args.has("--all") or args.has("-a")
+    if ecr is not None:
+        state["aws"]["images"][dst] = {"digest": image["digest"], "source": src}
+    else:
+        copied = state["gcp"]["images"].setdefault(dst, {"copies": 0})
+        copied.update(digest=image["digest"], source=src, copies=copied["copies"] + 1)
+        copied["all"] = args.has("--all") or args.has("-a")
     if args.has("--quiet"):
         return Out()
     return Out(

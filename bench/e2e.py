@@ -193,6 +193,7 @@ async def prepare_runc_bundle(workdir: Path, image: str) -> Path:
     config = ContainerConfig(
         state_dir=workdir / "anchor-state",
         free_floor_bytes=0,
+        allow_local_registries=True,
         network_table=ANCHOR_TABLE,
         network_prefix=ANCHOR_PREFIX,
         network_pool=ANCHOR_POOL,
@@ -776,6 +777,7 @@ async def sweep_left_containers(workdir: Path) -> None:
         config = ContainerConfig(
             state_dir=state,
             free_floor_bytes=0,
+            allow_local_registries=True,
             network_table=f"levers9_k{index}",
             network_prefix=f"k{index}",
             network_pool=f"169.254.{128 + 16 * index}.0/20",

@@ -77,14 +77,76 @@ class RegistryLogin:
 
 
 @attrs.frozen
+class WorkspaceLimits:
+    """What one workspace may hold of the shared controlplane (`control.limits` decides).
+
+    The defaults leave a person or a CI job ample room and keep the worst a workspace can do
+    small beside the rest: 100 tasks pending or running is more than a pool's cards for most
+    operators, and with 64 KiB of command, args and env each a full list page stays under
+    7 MiB (the CLI reads at most 64 MiB); 128 variables of at most 32 KiB each fit any real
+    program; a dashboard holds 2 watch streams and the CLI none, so 16 per token leaves room
+    for several tabs; 100 requests a second, in bursts of 500, is far above a person or a
+    `levers9 run` and lets a script collect a few hundred ended tasks one after another, yet
+    stays well below what costs the controlplane a core."""
+
+    max_active_tasks: int = 100
+    """Tasks pending, starting or running at once, counted in the task database."""
+    max_spec_bytes: int = 64 * 1024
+    """Bytes of a task's command, args and env together (UTF-8)."""
+    max_env: int = 128
+    """Environment variables of one task."""
+    max_env_entry_bytes: int = 32 * 1024
+    """Bytes of one environment entry, NAME=VALUE."""
+    max_watch_streams: int = 16
+    """`?watch=true` streams one token holds open at once, on each replica."""
+    requests_per_s: float = 100.0
+    """Task API requests one token makes a second, on average (each replica counts its own)."""
+    request_burst: int = 500
+    """Requests one token may make at once above that rate."""
+
+    def __attrs_post_init__(self) -> None:
+        for name in (
+            "max_active_tasks",
+            "max_spec_bytes",
+            "max_env",
+            "max_env_entry_bytes",
+            "max_watch_streams",
+            "request_burst",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be 1 or more, not {getattr(self, name)}")
+        if not self.requests_per_s > 0:
+            raise ValueError(f"requests_per_s must be above 0, not {self.requests_per_s}")
+
+
+@attrs.frozen
+class LimitOverrides:
+    """A workspace's own `limits:`: each one set replaces `config.workspaceLimits`' value."""
+
+    max_active_tasks: int | None = None
+    max_spec_bytes: int | None = None
+    max_env: int | None = None
+    max_env_entry_bytes: int | None = None
+    max_watch_streams: int | None = None
+    requests_per_s: float | None = None
+    request_burst: int | None = None
+
+    def over(self, defaults: WorkspaceLimits) -> WorkspaceLimits:
+        """The limits in force: `defaults` with what this block sets. Pure."""
+        given = {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        return attrs.evolve(defaults, **given)
+
+
+@attrs.frozen
 class WorkspaceConfig:
     """A workspace: its API tokens (every task call is scoped to the token's workspace), its
-    buckets and its registry logins."""
+    buckets, its registry logins and its own limits over `config.workspaceLimits`."""
 
     name: str
     tokens: tuple[ApiToken, ...] = ()
     buckets: tuple[BucketConfig, ...] = ()
     registries: tuple[RegistryLogin, ...] = ()
+    limits: LimitOverrides = LimitOverrides()
 
 
 @attrs.frozen
@@ -133,6 +195,19 @@ class WorkerSettings:
     pool_credentials: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
     """Inline credentials by pool name (the private values file), so that a pool's block is
     pasted as printed."""
+    allow_local_registries: bool = False
+    """Workers registered by token (not by a pool) pull from registries on their own node's
+    loopback: tasks may name such images (`127.0.0.1:5000/x`). A pool says so for its own
+    workers with `kubernetes.allowLocalRegistries`."""
+
+    def allows_local_registries(self) -> bool:
+        """Whether any worker may pull from a registry on its node: images on loopback and
+        link-local addresses are refused at the controlplane otherwise."""
+        return self.allow_local_registries or any(
+            isinstance(pool.get("kubernetes"), Mapping)
+            and pool["kubernetes"].get("allowLocalRegistries") is True
+            for pool in self.pools
+        )
 
 
 @attrs.frozen
@@ -200,6 +275,21 @@ class MetricsSettings:
 
 
 @attrs.frozen
+class DashboardSettings:
+    """The dashboard's sessions (`control.ui.sessions`): one ends `sessionMaxS` after sign-in
+    however much it is used, and `sessionIdleS` after its last request; signing out ends it
+    at once. Twelve hours is a working day with margin; an hour unused is a lunch break."""
+
+    session_max_s: float = 12 * 3600.0
+    session_idle_s: float = 3600.0
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("session_max_s", "session_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be above 0, not {getattr(self, name)}")
+
+
+@attrs.frozen
 class ControlConfig:
     public_url: str
     tls: TlsFiles
@@ -213,6 +303,8 @@ class ControlConfig:
     """Windows, frame sizes and flood limits of every HTTP/2 connection: the listener's, the
     tunnels' and the dials of direct workers."""
     workspaces: tuple[WorkspaceConfig, ...] = ()
+    workspace_limits: WorkspaceLimits = WorkspaceLimits()
+    """Every workspace's limits, unless its own `limits:` says otherwise."""
     joined_pools: JoinedPoolsSettings | None = None
     drain_s: float = 20.0
     """On SIGTERM: how long connections (tunnels included) get to finish what is in flight
@@ -220,6 +312,7 @@ class ControlConfig:
     leader_election: LeaderElectionSettings = LeaderElectionSettings()
     replication: ReplicationSettings = ReplicationSettings()
     metrics: MetricsSettings = MetricsSettings()
+    dashboard: DashboardSettings = DashboardSettings()
 
     @property
     def listen_host(self) -> str:
@@ -380,6 +473,10 @@ def _validate(config: ControlConfig) -> None:
                 raise ConfigError(
                     f"{where}.buckets[{j}].gcs is missing; give the credentials for {bucket.url}"
                 )
+        try:
+            workspace.limits.over(config.workspace_limits)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.limits: {exc}") from None
         hosts: set[str] = set()
         for j, login in enumerate(workspace.registries):
             if not login.host or "/" in login.host:

@@ -3,11 +3,11 @@
 Two kinds of figures, both in one private `CollectorRegistry` (never the process-global one,
 so two controlplanes in one test process do not mix):
 
-- events counted as they happen: API requests by route pattern (never by path), method and
-  status with their latency; each placement's delay from create to placed; each reconcile
-  pass's duration and failure per pool; each list a pool cache made again, by why, and each
-  time a cache became unusable (its watches do not stream), per resource; each keepalive round
-  trip to a worker per mode;
+- events counted as they happen: API requests by route pattern (never by path), method (one
+  of a fixed list, else `other`) and status with their latency; each placement's delay from
+  create to placed; each reconcile pass's duration and failure per pool; each list a pool
+  cache made again, by why, and each time a cache became unusable (its watches do not
+  stream), per resource; each keepalive round trip to a worker per mode;
 - states read when Prometheus scrapes: tasks by workspace and state (one GROUP BY on the
   records), machines and cards per pool from each pool's last pass, workers by mode, tunnels
   open on this replica, bytes carried to and from workers per mode.
@@ -15,7 +15,9 @@ so two controlplanes in one test process do not mix):
 Reading the records is async, and prometheus-client collects synchronously, so a scrape first
 reads the states and `refresh`es a `Scrape` with them, then renders. Labels are bounded: route
 patterns, pools, workspaces, modes, states and the four cached resources (nodes, pods, jobs,
-secrets); never a task or worker id, nor a cluster's or cache's own id.
+secrets); never a task or worker id, nor a cluster's or cache's own id, and never a value a
+client chose as it came (`agent.wire.untrusted`): an anonymous request on an unknown route
+with a made-up method is `unmatched` and `other`, one series however many there are.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from prometheus_client.registry import Collector
 from agent import __version__
 from agent.api.models import WorkerSummary
 from agent.wire.connection import Http2Connection
+from agent.wire.untrusted import method_label, status_label
 from control.kube.informer import RELIST_REASONS, UNUSABLE
 from control.models import MachineList, TaskState
 from control.tasks.store import TaskRecord
@@ -78,10 +81,11 @@ def tasks_by_state(
 
 
 def workers_by_mode(workers: Iterable[WorkerSummary]) -> dict[tuple[str, bool], int]:
-    """(mode, connected) → how many workers; both modes and both answers always there. Pure."""
+    """(mode, connected) → how many workers; both modes and both answers always there, and a
+    mode that is neither (a registration's own word) counted as `unknown`. Pure."""
     out = {(mode, connected): 0 for mode in MODES for connected in (True, False)}
     for worker in workers:
-        key = (worker.mode, worker.connected)
+        key = (worker.mode if worker.mode in MODES else "unknown", worker.connected)
         out[key] = out.get(key, 0) + 1
     return out
 
@@ -262,8 +266,10 @@ class ControlMetrics:
     # -- events -------------------------------------------------------------------------------
 
     def request(self, method: str, route: str, status: int, seconds: float) -> None:
-        """`Service.observe`: one answered request."""
-        self.requests.labels(route, method, str(status)).inc()
+        """`Service.observe`: one answered request. `route` is the Service's (a pattern,
+        `unmatched` or `CONNECT`); the method and status are mapped to a fixed set here."""
+        method = method_label(method)
+        self.requests.labels(route, method, status_label(status)).inc()
         self.request_seconds.labels(route, method).observe(seconds)
 
     def placed(self, record: TaskRecord) -> None:

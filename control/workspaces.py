@@ -18,14 +18,23 @@ import attrs
 from agent.api.models import RegistryAuth, VolumeSpec
 from agent.api.reference import parse_reference
 from agent.wire.errors import ApiError, ErrorCode
-from control.config import WorkspaceConfig
+from control.config import WorkspaceConfig, WorkspaceLimits
 from control.models import TaskVolume
 
 
 class Workspaces:
-    def __init__(self, configs: Sequence[WorkspaceConfig]) -> None:
+    def __init__(
+        self, configs: Sequence[WorkspaceConfig], defaults: WorkspaceLimits | None = None
+    ) -> None:
+        defaults = defaults or WorkspaceLimits()
         self._configs = {c.name: c for c in configs}
         self._tokens = [(t.token.encode(), c.name) for c in configs for t in c.tokens]
+        self._limits = {c.name: c.limits.over(defaults) for c in configs}
+        self._defaults = defaults
+
+    def limits(self, workspace: str) -> WorkspaceLimits:
+        """The limits in force for the workspace (`control.limits`)."""
+        return self._limits.get(workspace, self._defaults)
 
     def authenticate(self, presented: str) -> str | None:
         """The workspace whose token this is, or None. Every token is compared, in constant

@@ -158,9 +158,10 @@ def pod_environment(
 
 def agent_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """What the simulated kubelet adds to every agent's environment: quick registrations and
-    pings, no disk floor, then `extra`."""
+    pings, no disk floor, pulls from the registries on loopback, then `extra`."""
     return {
         "LEVERS9_LOG_LEVEL": "INFO",
+        "LEVERS9_ALLOW_LOCAL_REGISTRIES": "1",
         "LEVERS9_FREE_FLOOR_BYTES": "0",
         "LEVERS9_OBJECT_BUDGET_BYTES": str(4 << 30),
         "LEVERS9_REGISTER_INTERVAL_S": "2",
@@ -352,6 +353,8 @@ def control_values(
             "worker": {
                 "pools": [pool.block(kube) for pool in pools],
                 "lostAfterS": lost_after_s,
+                # The simulated registries listen on loopback (`agent_environment` too).
+                "allowLocalRegistries": True,
             },
         }
     }

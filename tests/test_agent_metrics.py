@@ -437,6 +437,7 @@ async def test_a_running_agent_counts_its_containers_and_objects(
             object_budget_bytes=1 << 30,
             free_floor_bytes=0,
             log_max_bytes=1 << 20,
+            allow_local_registries=True,
         ),
         metrics=MetricsConfig(port=0),
     )

@@ -37,6 +37,7 @@ async def manager(tmp_path: Path, s3_server: S3Server) -> AsyncIterator[Containe
         object_budget_bytes=1 << 30,
         free_floor_bytes=0,
         bucket_ca_file=str(s3_server.ca_file),
+        allow_local_registries=True,
     )
     async with open_container_manager(config) as m:
         yield m

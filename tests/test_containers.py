@@ -73,6 +73,7 @@ def state_config(tmp_path: Path, **changes: object) -> ContainerConfig:
         "object_budget_bytes": 1 << 30,
         "free_floor_bytes": 0,
         "log_max_bytes": 1 << 20,
+        "allow_local_registries": True,  # the test registry listens on loopback
     }
     values.update(changes)
     return ContainerConfig(**values)  # type: ignore[arg-type]
@@ -585,7 +586,9 @@ _AGENT = textwrap.dedent(
     from agent.api.models import ContainerSpec
 
     async def main():
-        config = ContainerConfig(state_dir=Path(sys.argv[1]), free_floor_bytes=0)
+        config = ContainerConfig(
+            state_dir=Path(sys.argv[1]), free_floor_bytes=0, allow_local_registries=True
+        )
         async with open_container_manager(config) as manager:
             for cid, command in (
                 ("survivor", ["sh", "-c", "echo before; sleep 3; echo after; sleep 600"]),

@@ -43,6 +43,7 @@ from control.api.endpoints import (
     plan_response,
     upstream_target,
 )
+from control.ui.session import COOKIE
 
 TOKEN = "controlplane-s3cr3t"
 AUTHORITY = "t-1.endpoints.example.com"
@@ -135,6 +136,12 @@ class Upstream:
                     if path == "/last":
                         extra = [h for h in extra if h[0] not in ("connection", "keep-alive")]
                         extra.append(("connection", "close"))
+                    if path == "/plant":
+                        # A task's code trying to set (or clear) the dashboard's session.
+                        extra += [
+                            ("set-cookie", f"{COOKIE}=planted; Path=/; Secure; HttpOnly"),
+                            ("set-cookie", f"{COOKIE.upper()}=; Path=/; Max-Age=0"),
+                        ]
                     await _respond(
                         stream,
                         http,
@@ -317,6 +324,28 @@ async def test_authorization_stays_behind_and_host_is_the_clients_authority(
     assert seen.header("x-custom") == "kept"
     # A GET without a body goes without framing headers.
     assert "content-length" not in names and "transfer-encoding" not in names
+
+
+async def test_the_dashboards_session_cookie_stays_behind_and_the_apps_cookies_pass(
+    harness: Harness,
+) -> None:
+    session = "S" * 43
+    await harness.get(
+        b"/p/whoami",
+        [(b"cookie", f"app=1; {COOKIE}={session}".encode()), (b"cookie", b"theme=dark")],
+    )
+    seen = harness.upstream.seen[-1]
+    assert "authorization" not in {k for k, _ in seen.headers}
+    assert session not in json.dumps(seen.headers) and TOKEN not in json.dumps(seen.headers)
+    assert seen.header("cookie") == "app=1; theme=dark"
+    await harness.get(b"/p/whoami", [(b"cookie", f"{COOKIE}={session}".encode())])
+    assert "cookie" not in {k for k, _ in harness.upstream.seen[-1].headers}
+
+
+async def test_a_task_cannot_set_the_dashboards_session_cookie(harness: Harness) -> None:
+    headers, _ = await harness.get(b"/p/plant", [])
+    cookies = [v.decode() for k, v in headers if k == b"set-cookie"]
+    assert cookies == ["a=1", "b=2"]
 
 
 async def test_post_streams_a_large_body_with_its_length(harness: Harness) -> None:

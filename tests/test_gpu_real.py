@@ -315,7 +315,10 @@ async def test_a_container_given_one_card_sees_exactly_that_card(
         config=config,
     )
     state = ContainerConfig(
-        state_dir=tmp_path / "state", object_budget_bytes=1 << 30, free_floor_bytes=0
+        state_dir=tmp_path / "state",
+        object_budget_bytes=1 << 30,
+        free_floor_bytes=0,
+        allow_local_registries=True,
     )
     lib = "/usr/local/nvidia/lib64"
     command = (

@@ -16,7 +16,14 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.wire.metrics import MAX_HEAD_BYTES, answer, handle_scrape, render, serve_metrics
+from agent.wire.metrics import (
+    MAX_CONNECTIONS_PER_SOURCE,
+    MAX_HEAD_BYTES,
+    answer,
+    handle_scrape,
+    render,
+    serve_metrics,
+)
 
 
 def registry_with_values() -> CollectorRegistry:
@@ -274,3 +281,58 @@ async def test_connections_over_the_limit_are_closed_on_arrival(nursery: trio.Nu
                 assert await extra.receive_some(100) == b""
             release.set()
     assert first[0][0] == 200
+
+
+async def test_a_client_silent_for_the_idle_timeout_is_closed_before_the_read_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    client, server = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            functools.partial(
+                handle_scrape,
+                server,
+                registry_with_values(),
+                read_timeout_s=100,
+                idle_timeout_s=2,
+            )
+        )
+        started = trio.current_time()
+        await client.send_all(b"GET /metr")  # and then nothing more
+        assert await client.receive_some(100) == b""
+        assert trio.current_time() - started < 10
+
+
+async def open_from(source: str, port: int) -> trio.SocketStream:
+    """A connection to the loopback listener from `source` (another loopback address)."""
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    try:
+        await sock.bind((source, 0))
+        await sock.connect(("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
+
+
+async def test_idle_connections_from_one_source_do_not_starve_a_scrape(
+    nursery: trio.Nursery,
+) -> None:
+    port = await nursery.start(serve_metrics, "127.0.0.1", 0, registry_with_values())
+    idle = [await open_from("127.0.0.2", port) for _ in range(70)]
+    try:
+        # Ask from another address, well within the idle connections' timeouts.
+        with trio.fail_after(3):
+            status, body = await http_get(port)
+        assert status == 200
+        assert samples(body.decode())[("demo_scrapes_total", ())] == 3
+        # Those over the per-source limit were closed on arrival (a FIN, nothing sent).
+        closed = 0
+        for stream in idle:
+            with trio.move_on_after(0.05):  # closed long ago, or still open
+                if await stream.receive_some(100) == b"":
+                    closed += 1
+        assert closed >= 70 - MAX_CONNECTIONS_PER_SOURCE
+    finally:
+        for stream in idle:
+            await stream.aclose()

@@ -136,6 +136,7 @@ def container_config(tmp_path: Path, **changes: Any) -> dict[str, Any]:
         "network_table": "levers9_bounds",
         "network_prefix": "lb",
         "network_pool": "169.254.96.0/20",
+        "allow_local_registries": True,  # the shared test registry listens on loopback
         **changes,
     }
 

@@ -160,3 +160,48 @@ def registry_address(registry: str, scheme: str) -> str:
     if registry.endswith("]") or ":" not in registry or registry.count(":") > 1:
         return f"{registry}:{443 if scheme == 'https' else 80}"
     return registry
+
+
+METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata", "metadata.goog"})
+"""Cloud metadata servers by name (each resolves to 169.254.169.254, refused by address too)."""
+ALLOW_LOCAL_SETTING = "allowLocalRegistries: true on the pool (LEVERS9_ALLOW_LOCAL_REGISTRIES=1)"
+
+
+def _local(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_link_local or address.is_unspecified
+
+
+def local_registry_refusal(
+    registry: str,
+    resolved: Iterable[str] = (),
+    own: Iterable[str] = (),
+) -> str | None:
+    """Why a worker may not pull from `registry` (`host[:port]`), or None. Pure.
+
+    A workspace names any registry it likes, and with hostNetwork a worker's loopback is the
+    node's: a registry on loopback, on a link-local address (the cloud's metadata server) or
+    on one of the node's `own` addresses would let a task probe the node's ports. The host is
+    judged as written and by every address it `resolved` to; the reason is the same whatever
+    is listening there, so it tells nothing about the port."""
+    host = host_of(registry).lower().rstrip(".")
+    why = None
+    if host == "localhost" or host.endswith(".localhost") or host in METADATA_HOSTS:
+        why = "a name for this node or its metadata server"
+    mine = {ipaddress.ip_address(a) for a in own}
+    for text in (host, *resolved):
+        try:
+            address = ipaddress.ip_address(text.split("%", 1)[0])
+        except ValueError:
+            continue
+        if _local(address):
+            why = why or "a loopback or link-local address"
+        elif address in mine:
+            why = why or "an address of the node itself"
+    if why is None:
+        return None
+    return (
+        f"image registry {registry} is refused: it is {why}, which workers do not pull from "
+        f"(an operator allows it with {ALLOW_LOCAL_SETTING}); use a registry elsewhere"
+    )

@@ -1,7 +1,8 @@
 """`levers9-agent`: the worker image's entrypoint.
 
 `run` is the daemon (settings from the environment the worker Job sets); `self-check` prints
-a table of checks (`--json` for scripts) and exits 1 when any fails.
+a table of checks (`--json` for scripts) and exits 1 when any fails. Run as the program, `run`
+first starts itself again without the worker token in its environment (`hide_token`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,44 @@ import sys
 import trio
 
 from agent import __version__
-from agent.daemon.config import ConfigError, load_config
+from agent.daemon.config import (
+    MAX_TOKEN_BYTES,
+    TOKEN_FD_VARIABLE,
+    TOKEN_VARIABLE,
+    ConfigError,
+    environ_for_reexec,
+    load_config,
+)
 from agent.wire.extras import missing_extra
 from agent.wire.logs import setup_logging
 
 
+def hide_token() -> None:
+    """Start this program again (`os.execve`: same PID, same arguments) without the worker
+    token in its environment, handing it over through a pipe instead; see `agent.daemon.config`
+    for why. Returns only when there is nothing to hide (no token, or already handed over)."""
+    token = os.environ.get(TOKEN_VARIABLE)
+    if not token or TOKEN_FD_VARIABLE in os.environ or not sys.executable:
+        return
+    data = os.fsencode(token)
+    if len(data) > MAX_TOKEN_BYTES:
+        raise ConfigError(
+            TOKEN_VARIABLE, f"{TOKEN_VARIABLE} is longer than {MAX_TOKEN_BYTES} bytes"
+        )
+    read, write = os.pipe()  # both ends close on exec but for the one made inheritable
+    try:
+        os.write(write, data)  # the pipe holds it all: far below a pipe's capacity
+    finally:
+        os.close(write)
+    os.set_inheritable(read, True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, environ_for_reexec(os.environ, read))
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Called as the program (not by a test with arguments of its own): `run` may start again.
+    whole_process = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="levers9-agent", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
@@ -38,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         return main_self_check((["--json"] if args.json else []) + rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if whole_process:
+        try:
+            hide_token()
+        except ConfigError as exc:
+            print(f"levers9-agent: {exc}", file=sys.stderr)
+            return 2
     setup_logging(os.environ.get("LEVERS9_LOG_LEVEL", "INFO"))
     try:
         config = load_config()

@@ -6,6 +6,14 @@ into frozen attrs, with an error naming the variable and what to do; the token i
 from the process environment as soon as it is read, so no child process inherits it, and it
 is hidden from every repr.
 
+Removing a variable from `os.environ` does not remove it from the environment the kernel
+shows in `/proc/PID/environ` (the block the process was started with), which anyone allowed
+to read that file would see for the agent's whole life. So `levers9-agent run` starts itself
+again at once (`environ_for_reexec`, `os.execve`, same PID) with the token out of the
+environment, handed over instead through a pipe whose descriptor number is in
+`LEVERS9_WORKER_TOKEN_FD`; `load_config` reads the pipe to its end and closes it. A pipe keeps
+nothing once read, so no file or descriptor holds the token afterwards.
+
 `load_config` is the one parser: `levers9-agent self-check` reads the settings through it too
 (on a copy of the environment), so it refuses exactly what `run` refuses. A `ConfigError`
 carries the variable's name; `SettingMissing` (a required variable is unset) is its own type,
@@ -288,6 +296,7 @@ def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
         free_floor_bytes=_bytes(env, "FREE_FLOOR_BYTES", 5 << 30),
         log_max_bytes=_bytes(env, "LOG_MAX_BYTES", 10 << 20),
         insecure_registries=insecure,
+        allow_local_registries=_allow_local_registries(env),
         registry_ca_file=ca_file,
         bucket_ca_file=_existing_file(env, "BUCKET_CA"),
         rclone_binary=_existing_file(env, "RCLONE"),
@@ -297,12 +306,61 @@ def load_container_config(env: Mapping[str, str]) -> ContainerConfig | None:
     )
 
 
+TOKEN_VARIABLE = ENV_PREFIX + "WORKER_TOKEN"
+TOKEN_FD_VARIABLE = ENV_PREFIX + "WORKER_TOKEN_FD"
+MAX_TOKEN_BYTES = 4096
+"""A worker token is some tens of bytes; a pipe takes this much without a reader."""
+
+
+def environ_for_reexec(env: Mapping[str, str], fd: int) -> dict[str, str]:
+    """The environment `levers9-agent run` starts itself again with: `env` without the token,
+    which is to be read from descriptor `fd` instead. Pure."""
+    out = {k: v for k, v in env.items() if k != TOKEN_VARIABLE}
+    out[TOKEN_FD_VARIABLE] = str(fd)
+    return out
+
+
+def _take_token(env: MutableMapping[str, str]) -> str:
+    """The worker token, removed from `env`: from the pipe `LEVERS9_WORKER_TOKEN_FD` names
+    (read to its end, then closed) when set, else from `LEVERS9_WORKER_TOKEN`."""
+    fd_text = env.pop(TOKEN_FD_VARIABLE, None)
+    if fd_text is None:
+        token = _get(env, "WORKER_TOKEN")
+        env.pop(TOKEN_VARIABLE, None)
+        return token
+    env.pop(TOKEN_VARIABLE, None)
+    try:
+        fd = int(fd_text)
+    except ValueError:
+        raise ConfigError(
+            TOKEN_FD_VARIABLE,
+            f"{TOKEN_FD_VARIABLE} must be a file descriptor number, not {fd_text!r}; it is set "
+            "by levers9-agent itself, never by hand",
+        ) from None
+    try:
+        with os.fdopen(fd, "rb") as pipe:
+            data = pipe.read(MAX_TOKEN_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(
+            TOKEN_FD_VARIABLE,
+            f"cannot read the worker token from descriptor {fd} ({TOKEN_FD_VARIABLE}): "
+            f"{exc.strerror or exc}",
+        ) from None
+    token = os.fsdecode(data)  # as the environment would have given it
+    if not token:
+        raise SettingMissing(
+            TOKEN_VARIABLE,
+            f"{TOKEN_VARIABLE} is not set (descriptor {fd} held no token); the worker Job "
+            "sets it from its Secret",
+        )
+    return token
+
+
 def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
     """Read the agent's settings; the token is popped from `env` (os.environ by default)."""
     env = os.environ if env is None else env
     worker_id = _get(env, "WORKER_ID")
-    token = _get(env, "WORKER_TOKEN")
-    env.pop(ENV_PREFIX + "WORKER_TOKEN", None)
+    token = _take_token(env)
     mode = _get(env, "MODE", "direct")
     if mode not in ("direct", "tunnel"):
         raise ConfigError(
@@ -357,3 +415,12 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
         loopback_connect=_on_off(env, "LOOPBACK_CONNECT", False),
         metrics=load_metrics_config(env),
     )
+
+
+def _allow_local_registries(env: Mapping[str, str]) -> bool:
+    """LEVERS9_ALLOW_LOCAL_REGISTRIES: 1 (a pool's allowLocalRegistries: true) or 0, unset."""
+    name = ENV_PREFIX + "ALLOW_LOCAL_REGISTRIES"
+    raw = env.get(name, "0").strip().lower()
+    if raw not in ("1", "0", "true", "false", "on", "off", ""):
+        raise ConfigError(name, f"{name} must be 1 or 0, not {raw!r}")
+    return raw in ("1", "true", "on")

@@ -22,6 +22,7 @@ from agent.wire.tls import (
     TLSStream,
     server_context,
 )
+from agent.wire.untrusted import clip
 
 log = logging.getLogger("levers9.agent")
 
@@ -89,11 +90,12 @@ async def serve_direct(
         if conn.statistics().streams_opened == 0:
             early.failed(peer, source, conn.close_reason, trio.current_time())
             return
+        reason = clip(conn.close_reason)  # it may quote what the peer sent
         log.info(
             "connection from %s closed: %s",
             peer,
-            conn.close_reason,
-            extra={**fields, "peer": peer, "reason": conn.close_reason},
+            reason,
+            extra={**fields, "peer": peer, "reason": reason},
         )
 
     async with trio.open_nursery() as nursery:

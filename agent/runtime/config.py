@@ -17,6 +17,9 @@ class ContainerConfig:
     free_floor_bytes: int = 5 << 30
     log_max_bytes: int = 10 << 20
     insecure_registries: tuple[str, ...] = ()
+    allow_local_registries: bool = False
+    """LEVERS9_ALLOW_LOCAL_REGISTRIES=1: pull from registries on the node's loopback,
+    link-local or own addresses (refused otherwise: `agent.runtime.images.guard`)."""
     registry_ca_file: str | None = None
     bucket_ca_file: str | None = None
     """A CA for bucket endpoints with private certificates (the system's CAs otherwise)."""

@@ -70,6 +70,7 @@ from agent.api.models import (
     SnapshotInfo,
     VolumeSpec,
 )
+from agent.api.validation import canonical_mount_path
 from agent.gpus.allocator import Refusal
 from agent.gpus.edits import spec_edits
 from agent.gpus.ledger import CardConflict, ConflictKind
@@ -389,7 +390,8 @@ class ContainerManager:
             binds.append(
                 Bind(
                     source=str(mounted.host_path),
-                    destination=volume.mount_path,
+                    # Checked by `validate_spec`; mounted at the spelling it was checked in.
+                    destination=canonical_mount_path(volume.mount_path),
                     read_only=volume.read_only,
                     propagation="rslave",
                 )
@@ -1248,6 +1250,7 @@ async def _open_manager(
         store,
         insecure_registries=config.insecure_registries,
         ca_file=config.registry_ca_file,
+        refuse_local_registries=not config.allow_local_registries,
     )
     managers: list[ContainerManager] = []
 

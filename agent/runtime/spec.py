@@ -12,6 +12,7 @@ from agent.api.digests import parse_digest
 from agent.api.models import (
     ContainerSpec,
 )
+from agent.api.validation import canonical_mount_path, check_c_string, check_env_name
 from agent.runtime.records import CONTAINER_ID
 from agent.volumes.specs import validate_volume
 from agent.wire.errors import ApiError, ErrorCode
@@ -50,11 +51,7 @@ def validate_spec(spec: ContainerSpec, *, node_memory_bytes: int) -> None:
             raise ApiError(
                 ErrorCode.INVALID_ARGUMENT, f"port {port} is not a TCP port", field="ports"
             )
-    for key in spec.env:
-        if not key or "=" in key or "\0" in key:
-            raise ApiError(
-                ErrorCode.INVALID_ARGUMENT, f"env name {key!r} is not valid", field="env"
-            )
+    _check_process_text(spec)
     if spec.workdir is not None and not spec.workdir.startswith("/"):
         raise ApiError(
             ErrorCode.INVALID_ARGUMENT,
@@ -71,7 +68,7 @@ def validate_spec(spec: ContainerSpec, *, node_memory_bytes: int) -> None:
             raise ApiError(
                 exc.code, f"volumes[{i}]: {exc.message}", field=f"volumes[{i}].{exc.field}"
             ) from None
-        path = volume.mount_path.rstrip("/")
+        path = canonical_mount_path(volume.mount_path)  # checked by validate_volume
         if path in seen:
             raise ApiError(
                 ErrorCode.INVALID_ARGUMENT,
@@ -83,6 +80,27 @@ def validate_spec(spec: ContainerSpec, *, node_memory_bytes: int) -> None:
         raise ApiError(
             ErrorCode.INVALID_ARGUMENT, "stopGraceS must be 0 or more", field="stopGraceS"
         )
+
+
+def _check_process_text(spec: ContainerSpec) -> None:
+    """Environment names of POSIX's shape; no NUL where the kernel takes C strings."""
+    try:
+        for key, value in spec.env.items():
+            check_env_name(key)
+            check_c_string(value, f"the value of {key}")
+    except ValueError as exc:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"env: {exc}", field="env") from None
+    for field, values in (("command", spec.command), ("args", spec.args)):
+        for i, value in enumerate(values or ()):
+            try:
+                check_c_string(value, f"{field}[{i}]")
+            except ValueError as exc:
+                raise ApiError(ErrorCode.INVALID_ARGUMENT, str(exc), field=field) from None
+    if spec.workdir is not None:
+        try:
+            check_c_string(spec.workdir, "workdir")
+        except ValueError as exc:
+            raise ApiError(ErrorCode.INVALID_ARGUMENT, str(exc), field="workdir") from None
 
 
 def _check_resource(

@@ -9,12 +9,13 @@ import json
 import re
 import secrets
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from agent.api.models import GcsCredentials, VolumeSpec
+from agent.api.validation import canonical_mount_path
 
 # /proc/self/mountinfo is read the same way for rootfs overlays and for bucket mounts.
 from agent.wire.backoff import (
@@ -48,27 +49,6 @@ _GCS_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
 _PREFIX_SEGMENT = re.compile(r"[A-Za-z0-9._=+@-]+")
 _WORKSPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _REGION = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
-_FORBIDDEN_MOUNT_PATHS = frozenset(
-    {
-        "/",
-        "/bin",
-        "/boot",
-        "/dev",
-        "/etc",
-        "/lib",
-        "/lib32",
-        "/lib64",
-        "/libx32",
-        "/proc",
-        "/run",
-        "/sbin",
-        "/sys",
-        "/tmp",
-        "/usr",
-        "/var",
-    }
-)
-_FORBIDDEN_MOUNT_TREES = ("/proc", "/sys", "/dev")
 
 
 def _invalid(field: str, message: str) -> VolumeError:
@@ -174,19 +154,10 @@ def validate_volume(spec: VolumeSpec) -> BucketUrl:
 
 
 def _check_mount_path(path: str) -> None:
-    if not path.startswith("/"):
-        raise _invalid("mountPath", f"mount path {path!r} must be absolute (start with /)")
-    if "\x00" in path or any(part in (".", "..") for part in path.split("/")):
-        raise _invalid("mountPath", f"mount path {path!r} must not contain '.', '..' or NUL")
-    normal = str(PurePosixPath(path))
-    if normal in _FORBIDDEN_MOUNT_PATHS or any(
-        normal.startswith(tree + "/") for tree in _FORBIDDEN_MOUNT_TREES
-    ):
-        raise _invalid(
-            "mountPath",
-            f"mount path {path!r} would hide a system directory; choose a path of its own "
-            "such as /data or /workspace/bucket",
-        )
+    try:
+        canonical_mount_path(path)
+    except ValueError as exc:
+        raise _invalid("mountPath", str(exc)) from None
 
 
 def _check_gcs(gcs: GcsCredentials) -> None:

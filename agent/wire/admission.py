@@ -23,6 +23,8 @@ import resource
 
 import attrs
 
+from agent.wire.untrusted import clip
+
 log = logging.getLogger("levers9.connections")
 
 DEFAULT_IDLE_TIMEOUT_S = 300.0
@@ -224,6 +226,7 @@ class ConnectionLog:
         report = self.failures.note(source, now)
         if report is None:
             return
+        reason = clip(reason)  # it may quote what the peer sent
         log.info(
             "connection from %s closed before any request: %s; %d from %s since the last such "
             "line (one a minute at most)",

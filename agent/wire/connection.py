@@ -41,6 +41,7 @@ import trio
 
 from agent.wire.http2 import Http2Protocol, Http2Settings, ProtocolViolation
 from agent.wire.parts import send_parts
+from agent.wire.untrusted import clip
 
 log = logging.getLogger("levers9.http2")
 
@@ -71,7 +72,8 @@ class ConnectionLost(StreamError):
 
 
 class BodyTooLarge(StreamError):
-    """A body went past the limit its reader set; the stream was reset (CANCEL)."""
+    """A body went past the limit its reader set; the stream was reset (CANCEL) unless the
+    reader asked to answer first (`H2Stream.read_all(reset=False)`)."""
 
     def __init__(self, limit_bytes: int) -> None:
         super().__init__(f"body larger than {limit_bytes} bytes")
@@ -253,14 +255,17 @@ class H2Stream:
         finally:
             self._receiving = False
 
-    async def read_all(self, limit_bytes: int) -> bytes:
-        """The rest of the body, refusing one larger than `limit_bytes`."""
+    async def read_all(self, limit_bytes: int, *, reset: bool = True) -> bytes:
+        """The rest of the body, refusing one larger than `limit_bytes`. `reset=False` leaves
+        the stream open when it refuses: a server answers first (400 naming the limit), then
+        the rest is reset with NO_ERROR (RFC 9113 8.1) once its handler is done."""
         parts: list[bytes] = []
         size = 0
         while chunk := await self.receive_some():
             size += len(chunk)
             if size > limit_bytes:
-                await self.reset(h2.errors.ErrorCodes.CANCEL)
+                if reset:
+                    await self.reset(h2.errors.ErrorCodes.CANCEL)
                 raise BodyTooLarge(limit_bytes)
             parts.append(chunk)
         return b"".join(parts)
@@ -568,7 +573,10 @@ class Http2Connection:
             try:
                 events = self._proto.receive_data(data, trio.current_time())
             except ProtocolViolation as exc:
-                log.warning("http2 connection closed: %s", exc, extra={"connection": self.name})
+                # The violation may quote what the peer sent: clipped.
+                log.warning(
+                    "http2 connection closed: %s", clip(exc), extra={"connection": self.name}
+                )
                 # Send the GOAWAY first: marking the connection closed cancels its tasks.
                 try:
                     await self._flush(wait=True)

@@ -14,9 +14,12 @@ with the same bytes. Requests are parsed by h11 (python-hyper's sans-IO HTTP/1.1
 connection gets one answer and is closed (`Connection: close`): a scrape every few seconds
 gains nothing from keep-alive, and a closed connection holds nothing. A connection has
 `read_timeout_s` to send its request head (h11 refuses one still unfinished after
-`MAX_HEAD_BYTES`, with 431) and as long again to take the answer, so a slow or silent client
-cannot hold the server; beyond `max_connections` open at once (`MAX_CONNECTIONS` by default),
-new ones are closed on arrival.
+`MAX_HEAD_BYTES`, with 431) and as long again to take the answer, and one that sends nothing
+for `idle_timeout_s` is closed sooner, so a slow or silent client cannot hold the server. Beyond
+`max_connections` open at once (`MAX_CONNECTIONS`), or `max_per_source` from one address
+(`MAX_CONNECTIONS_PER_SOURCE`), new ones are closed on arrival (`agent.wire.admission`
+decides): idle connections from one address cannot take every place and starve the scrape that
+comes from another, and each holds its place only seconds.
 
 `refresh` (optional) runs before each `/metrics` answer: where reading the numbers blocks
 (NVML), a collector cannot do it inside `generate_latest`, which runs on the event loop, so
@@ -34,6 +37,14 @@ import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from agent.wire.admission import (
+    Admissions,
+    ConnectionLimits,
+    ConnectionLog,
+    Refusal,
+    source_address,
+)
+
 log = logging.getLogger("levers9.metrics")
 
 METRICS_PATH = "/metrics"
@@ -43,6 +54,10 @@ READ_TIMEOUT_S = 10.0
 """For the request head, and again for the answer to be taken."""
 MAX_CONNECTIONS = 64
 """Connections open at once; more are closed on arrival."""
+MAX_CONNECTIONS_PER_SOURCE = 8
+"""Connections open at once from one address: Prometheus scrapes over one at a time."""
+IDLE_TIMEOUT_S = 5.0
+"""How long a connection may send nothing before its request head is in."""
 _RECEIVE_BYTES = 4096
 _ALLOWED = "GET, HEAD"
 
@@ -91,6 +106,7 @@ async def handle_scrape(
     *,
     refresh: Refresh | None = None,
     read_timeout_s: float = READ_TIMEOUT_S,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
 ) -> None:
     """Answers the one request `stream` carries and closes it (however the client behaves)."""
     async with stream:
@@ -99,7 +115,7 @@ async def handle_scrape(
             request: h11.Request | None = None
             with trio.move_on_after(read_timeout_s):
                 try:
-                    request = await _read_request(stream, conn)
+                    request = await _read_request(stream, conn, idle_timeout_s)
                 except h11.RemoteProtocolError as exc:
                     await _send(stream, conn, _text(exc.error_status_hint, f"{exc}\n"), head=False)
                     return
@@ -126,7 +142,9 @@ async def serve_metrics(
     *,
     refresh: Refresh | None = None,
     read_timeout_s: float = READ_TIMEOUT_S,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
     max_connections: int = MAX_CONNECTIONS,
+    max_per_source: int = MAX_CONNECTIONS_PER_SOURCE,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `registry` at `http://host:port/metrics` until cancelled; `started()` gives the
@@ -134,18 +152,33 @@ async def serve_metrics(
     several addresses). Plain HTTP: see the module docstring for where it belongs."""
     listeners = await trio.open_tcp_listeners(port, host=host)
     actual = int(listeners[0].socket.getsockname()[1])
-    open_now = 0
+    admissions = Admissions(
+        ConnectionLimits(
+            max_per_source=min(max_per_source, max_connections), max_total=max_connections
+        )
+    )
+    refusals = ConnectionLog(fields={"listener": "metrics"})
 
     async def handle(stream: trio.SocketStream) -> None:
-        nonlocal open_now
-        if open_now >= max_connections:
+        try:
+            source = source_address(stream.socket.getpeername())
+        except OSError:
+            source = "unknown"
+        admission = admissions.admit(source)
+        if isinstance(admission, Refusal):
+            refusals.refused(admission, trio.current_time())
             await stream.aclose()
             return
-        open_now += 1
         try:
-            await handle_scrape(stream, registry, refresh=refresh, read_timeout_s=read_timeout_s)
+            await handle_scrape(
+                stream,
+                registry,
+                refresh=refresh,
+                read_timeout_s=read_timeout_s,
+                idle_timeout_s=idle_timeout_s,
+            )
         finally:
-            open_now -= 1
+            admissions.release(admission)
 
     async with trio.open_nursery() as nursery:
         # serve_listeners runs each connection in a task of its own in this nursery.
@@ -153,12 +186,20 @@ async def serve_metrics(
         task_status.started(actual)
 
 
-async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
-    """The request head, or None when the client closed before sending one."""
+async def _read_request(
+    stream: trio.abc.Stream, conn: h11.Connection, idle_timeout_s: float
+) -> h11.Request | None:
+    """The request head, or None when the client closed before sending one, or sent nothing
+    for `idle_timeout_s`."""
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            conn.receive_data(bytes(await stream.receive_some(_RECEIVE_BYTES)))
+            data = b""
+            with trio.move_on_after(idle_timeout_s) as idle:
+                data = bytes(await stream.receive_some(_RECEIVE_BYTES))
+            if idle.cancelled_caught:
+                return None
+            conn.receive_data(data)
             continue
         if isinstance(event, h11.Request):
             return event

@@ -29,6 +29,7 @@ from agent.wire.client import OpeningStream
 from agent.wire.connection import BodyTooLarge, H2ByteStream, H2Stream, Headers, StreamError
 from agent.wire.errors import ApiError, ErrorCode, dumps, loads
 from agent.wire.h2websocket import H2WebSocket
+from agent.wire.untrusted import clip
 
 log = logging.getLogger("levers9.api")
 T = TypeVar("T")
@@ -50,8 +51,10 @@ class Request:
     raw_query: str = ""
 
     async def body(self, limit_bytes: int = MAX_JSON_BODY_BYTES) -> bytes:
+        """The whole body; one over `limit_bytes` is answered 400 naming the limit, and only
+        then is the rest of it reset (NO_ERROR), so the caller reads why, not a bare reset."""
         try:
-            return await self.stream.read_all(limit_bytes)
+            return await self.stream.read_all(limit_bytes, reset=False)
         except BodyTooLarge:
             raise ApiError(
                 ErrorCode.INVALID_ARGUMENT, f"request body is larger than {limit_bytes} bytes"
@@ -75,6 +78,10 @@ class StreamResponse:
     content_type: str = "application/octet-stream"
     status: int = 200
     headers: Sequence[tuple[str, str]] = ()
+    stall_timeout_s: float | None = None
+    """Reset the stream when its caller has not taken a chunk for this long (a watch no one
+    reads must not hold its generator, and its memory, for ever). None: wait as long as the
+    caller keeps the stream."""
 
 
 @attrs.frozen
@@ -90,6 +97,11 @@ class BytesResponse:
 Response = JsonResponse | StreamResponse | BytesResponse
 Authenticator = Callable[[dict[str, str]], str | None]
 """Returns who made the request (a principal name) from its headers, or None to refuse it."""
+SessionAuthenticator = Callable[[dict[str, str]], Awaitable[str | None]]
+"""Asked when the `Authenticator` found no one: who the request's session (state kept elsewhere,
+such as the dashboard's cookie) stands for, or None; it may raise ApiError to refuse."""
+ErrorHeaders = Callable[[str], Sequence[tuple[str, str]]]
+"""Extra headers for an error answer to a path (the dashboard's security headers)."""
 
 
 def bearer_auth(token: str, principal: str = "controlplane") -> Authenticator:
@@ -117,7 +129,8 @@ Dialer = Callable[[str, int, str], Awaitable[trio.abc.HalfCloseableStream]]
 Observer = Callable[[str, str, int, float], None]
 """Told of every request once it is answered: (method, route pattern, status, seconds). The
 route is the pattern (`/v1/tasks/{id}`), never the path, so what counts requests stays
-bounded; `CONNECT` for a plain CONNECT and `unmatched` before any route was found."""
+bounded; `CONNECT` for a plain CONNECT and `unmatched` before any route was found. The method is
+the client's own: make it a label only through `agent.wire.untrusted.method_label`."""
 UNMATCHED = "unmatched"
 
 
@@ -329,9 +342,13 @@ class Service:
         dial: Dialer | None = None,
         name: str = "worker",
         observe: Observer | None = None,
+        authenticate_session: SessionAuthenticator | None = None,
+        error_headers: ErrorHeaders | None = None,
     ) -> None:
         self.router = router
         self.authenticate = authenticate
+        self.authenticate_session = authenticate_session
+        self.error_headers = error_headers
         self.connect_policy = connect_policy
         self.resolve_name = resolve_name
         """Plain CONNECT to a name (not an address): (name, port) → the address to dial, or
@@ -354,20 +371,23 @@ class Service:
             status = await self._handle(stream, headers, method, path, query, routed)
         except ApiError as exc:
             status = exc.code.status
-            await self._send_error(stream, exc)
+            await self._send_error(stream, exc, path, head=method == "HEAD")
         except StreamError:
             status = 499
         except Exception:
             log.exception(
                 "%s: handler failed for %s %s",
                 self.name,
-                method,
-                path,
-                extra={"api": self.name, "method": method, "path": path},
+                clip(method),
+                clip(path),
+                extra={"api": self.name, "method": clip(method), "path": clip(path)},
             )
             status = 500
             await self._send_error(
-                stream, ApiError(ErrorCode.INTERNAL, "the worker failed to handle the request")
+                stream,
+                ApiError(ErrorCode.INTERNAL, "the worker failed to handle the request"),
+                path,
+                head=method == "HEAD",
             )
         finally:
             duration = time.monotonic() - started
@@ -375,27 +395,41 @@ class Service:
                 self.observe(method, routed[0], status, duration)
             level = request_log_level(status)
             if log.isEnabledFor(level):
+                # What the client sent is clipped: a line stays short however long it was.
+                target = clip(path or headers.get(":authority", ""))
                 log.log(
                     level,
                     "%s %s %s",
-                    method,
-                    path or headers.get(":authority", ""),
+                    clip(method),
+                    target,
                     status,
                     extra={
                         "api": self.name,
-                        "method": method,
-                        "path": path or headers.get(":authority", ""),
+                        "method": clip(method),
+                        "path": target,
                         "status": status,
                         "duration_s": round(duration, 4),
                     },
                 )
 
-    async def _send_error(self, stream: H2Stream, exc: ApiError) -> None:
+    async def _send_error(
+        self, stream: H2Stream, exc: ApiError, path: str = "", *, head: bool = False
+    ) -> None:
+        """The error as a status and a JSON body; an answer to HEAD carries no body (RFC 9110
+        9.3.2), which h2 clients enforce by breaking the connection."""
         if stream._error is not None or stream._sent_end:
             return
         try:
             if not stream.sent_headers:
-                await stream.send_headers(_error_headers(exc.code.status))
+                headers = _error_headers(exc.code.status)
+                if self.error_headers is not None:
+                    headers += [
+                        (k.lower().encode(), v.encode()) for k, v in self.error_headers(path)
+                    ]
+                if head:
+                    await stream.send_headers(headers, end_stream=True)
+                    return
+                await stream.send_headers(headers)
                 await stream.send_data(dumps(exc.to_body()), end_stream=True)
         except StreamError:
             pass
@@ -410,6 +444,8 @@ class Service:
         routed: list[str],
     ) -> int:
         principal = self.authenticate(headers)
+        if principal is None and self.authenticate_session is not None:
+            principal = await self.authenticate_session(headers)
         if principal is None:
             principal = self._anonymous(method, path)
         protocol = headers.get(":protocol")
@@ -518,8 +554,16 @@ class Service:
         await stream.send_headers(head)
         async with contextlib.aclosing(response.chunks()) as chunks:
             async for chunk in chunks:
-                if chunk:
+                if not chunk:
+                    continue
+                if response.stall_timeout_s is None:
                     await stream.send_data(chunk)
+                    continue
+                with trio.move_on_after(response.stall_timeout_s) as stalled:
+                    await stream.send_data(chunk)
+                if stalled.cancelled_caught:
+                    await stream.reset()
+                    return
         await stream.end()
 
     async def _connect(self, stream: H2Stream, authority: str, principal: str) -> int:
@@ -623,10 +667,12 @@ async def splice(
 __all__ = [
     "Authenticator",
     "ConnectPolicy",
+    "ErrorHeaders",
     "JsonResponse",
     "Request",
     "Router",
     "Service",
+    "SessionAuthenticator",
     "StreamResponse",
     "bearer_auth",
     "bearer_token",

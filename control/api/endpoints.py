@@ -13,6 +13,12 @@ request. An upstream may close a kept connection while it sits idle; a request t
 dead before any response byte is sent again once on a fresh stream when that is safe. The
 request body streams through with the client's HTTP/2 flow control, and the response body with
 the upstream's TCP backpressure; nothing is buffered whole.
+
+The endpoint is served on the dashboard's origin, so the client's credentials stay on our side:
+`authorization` is dropped, and so is the dashboard's session cookie from `cookie` (the other
+cookies pass: an app served through the endpoint keeps its own); a response's `Set-Cookie` for
+the session cookie's name is dropped too (other cookies pass, for the same apps), so a
+container can neither read a user's session nor plant or clear one.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import trio
 from agent.wire.connection import H2Stream
 from agent.wire.errors import ApiError, ErrorCode
 from agent.wire.service import BytesResponse, Request, StreamResponse
+from control.ui.session import sets_session_cookie, without_session_cookie
 
 log = logging.getLogger("levers9.endpoints")
 
@@ -59,7 +66,8 @@ HOP_BY_HOP = frozenset(
 
 DROPPED_REQUEST_HEADERS = frozenset(
     {
-        # The controlplane's token must never reach the task.
+        # The controlplane's token must never reach the task (nor the dashboard's session,
+        # which is taken out of `cookie` below).
         "authorization",
         # Set from the client's :authority below.
         "host",
@@ -199,6 +207,11 @@ def plan_request(
         for name, value in end_to_end(headers.items())
         if name not in DROPPED_REQUEST_HEADERS and not name.startswith(":")
     ]
+    kept = [
+        (name, without_session_cookie(value) if name == "cookie" else value)
+        for name, value in kept
+        if name != "cookie" or without_session_cookie(value)
+    ]
     out = [("host", host), *kept]
     if framing is Framing.LENGTH:
         out.append(("content-length", str(length)))
@@ -214,8 +227,8 @@ def plan_request(
 
 def plan_response(status: int, headers: Iterable[tuple[str, str]]) -> UpstreamResponse:
     """The client's response head from the upstream's: end-to-end headers, Content-Type
-    apart. A 204 or 304 loses Content-Length: HTTP/2 peers check it against a body that
-    those responses never have."""
+    apart, without a Set-Cookie for the dashboard's session. A 204 or 304 loses
+    Content-Length: HTTP/2 peers check it against a body that those responses never have."""
     content_type = DEFAULT_CONTENT_TYPE
     kept: list[tuple[str, str]] = []
     typed = False
@@ -225,6 +238,8 @@ def plan_response(status: int, headers: Iterable[tuple[str, str]]) -> UpstreamRe
                 content_type, typed = value, True
             continue
         if name == "content-length" and status in (204, 304):
+            continue
+        if name == "set-cookie" and sets_session_cookie(value):
             continue
         kept.append((name, value))
     return UpstreamResponse(status, content_type, tuple(kept))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hmac
-import json
 import logging
 import os
 import ssl
@@ -36,7 +35,7 @@ from agent.wire.admission import (
     source_address,
 )
 from agent.wire.connection import ConnectionLost, H2Stream, Http2Connection, KeepaliveConfig
-from agent.wire.errors import ApiError, ErrorCode
+from agent.wire.errors import ApiError, ErrorCode, decode_json
 from agent.wire.metrics import render as render_metrics
 from agent.wire.metrics import serve_metrics
 from agent.wire.service import (
@@ -48,6 +47,7 @@ from agent.wire.service import (
     bearer_token,
 )
 from agent.wire.tls import TLSStream, fingerprint_of_pem
+from agent.wire.untrusted import clip
 from agent.wire.wsstream import HandshakeError, read_upgrade
 from control.api.endpoints import EndpointProxy
 from control.api.tasks import WORKSPACE_PREFIX, add_task_routes
@@ -78,8 +78,15 @@ from control.replicas.forward import Peers, is_forwarded, serve_forwarded
 from control.tasks.databases import open_task_store
 from control.tasks.dispatch import Dispatcher
 from control.tasks.scheduler import MachineSize, Retire
-from control.ui.pages import add_ui_routes
-from control.ui.session import cookie_allowed, cookie_token, csrf_refusal
+from control.ui.pages import add_ui_routes, error_headers
+from control.ui.session import (
+    SessionLimits,
+    cookie_allowed,
+    cookie_session,
+    csrf_refusal,
+    origin_refusal,
+)
+from control.ui.sessions import SessionStore
 from control.workspaces import Workspaces
 
 REMOVE_POOL_S = 60.0
@@ -134,6 +141,16 @@ class Controlplane:
         dispatcher.machines = self.machine_sizes
         dispatcher.retire = self.retire_worker
         self._api_tokens = {t.token: t.name for t in config.api_tokens}
+        self._signed_in = frozenset(
+            {f"api:{t.name}" for t in config.api_tokens}
+            | {f"{WORKSPACE_PREFIX}{w.name}" for w in config.workspaces if w.tokens}
+        )
+        """The principals a dashboard session may stand for: one whose tokens are gone from
+        the config (this replica's) has its sessions refused."""
+        self.sessions = SessionStore(
+            dispatcher.store.database,
+            SessionLimits(config.dashboard.session_max_s, config.dashboard.session_idle_s),
+        )
         self._pools: dict[str, _PoolRun] = {}
         self.config_pools: tuple[PoolConfig, ...] = ()
         self.joined: JoinedPoolStore | None = None
@@ -158,14 +175,21 @@ class Controlplane:
         registry.on_connection = self.metrics.connection
         dispatcher.on_placed.append(self.metrics.placed)
         router = self._router()
-        dial = add_task_routes(router, dispatcher, self.proxy)
-        add_ui_routes(router, self._principal_of, title="levers9")
+        dial = add_task_routes(
+            router,
+            dispatcher,
+            self.proxy,
+            allow_local_registries=config.worker.allows_local_registries(),
+        )
+        add_ui_routes(router, self._principal_of, self.sessions, title="levers9")
         self.service = Service(
             router,
             authenticate=self._authenticate,
             dial=dial,
             name="control",
             observe=self.metrics.request,
+            authenticate_session=self._session_principal,
+            error_headers=error_headers,
         )
         self.port = 0
         self.metrics_port: int | None = None
@@ -180,15 +204,26 @@ class Controlplane:
 
     def _authenticate(self, headers: dict[str, str]) -> str | None:
         token = bearer_token(headers)
-        if token is not None:
-            return self._principal_of(token)
-        token = cookie_token(headers)
-        if token is None or not cookie_allowed(headers.get(":method", ""), _request_path(headers)):
+        return None if token is None else self._principal_of(token)
+
+    async def _session_principal(self, headers: dict[str, str]) -> str | None:
+        """Who the request's dashboard session stands for, when it has no bearer token: None
+        for no cookie, a cookie where none is taken, or a session ended, expired or of a
+        principal no longer configured (the dashboard then sends the browser to sign in
+        again). A state-changing request under `/ui/` must come from our origin whether or
+        not it has a cookie, and one authenticated by the cookie needs the CSRF value."""
+        method, path = headers.get(":method", ""), _request_path(headers)
+        if path == "/ui" or path.startswith("/ui/"):
+            refused = origin_refusal(headers)
+            if refused is not None:
+                raise ApiError(ErrorCode.PERMISSION_DENIED, refused)
+        session_id = cookie_session(headers)
+        if session_id is None or not cookie_allowed(method, path):
             return None
-        principal = self._principal_of(token)
-        if principal is None or not principal.startswith(("api:", WORKSPACE_PREFIX)):
-            return None  # a stale cookie: the dashboard sends the browser to sign in again
-        refused = csrf_refusal(headers, token)
+        principal = await self.sessions.principal(session_id)
+        if principal is None or principal not in self._signed_in:
+            return None
+        refused = csrf_refusal(headers, session_id)
         if refused is not None:
             raise ApiError(ErrorCode.PERMISSION_DENIED, refused)
         return principal
@@ -747,7 +782,7 @@ class Controlplane:
                 if isinstance(exc, trio.TooSlowError):
                     reason = f"no request within {self.limits.first_request_timeout_s:g} s"
                 else:
-                    reason = f"WebSocket handshake failed: {exc}"
+                    reason = f"WebSocket handshake failed: {clip(str(exc))}"
                 self._early.failed(peer, source, reason, trio.current_time())
                 nursery.cancel_scope.cancel()
                 await tls.aclose()
@@ -764,8 +799,8 @@ class Controlplane:
             if token is None or not self.registry.check_token(worker_id, token):
                 log.warning(
                     "tunnel for worker %s refused: wrong or missing token",
-                    worker_id,
-                    extra={"worker": worker_id},
+                    clip(worker_id),
+                    extra={"worker": clip(worker_id)},
                 )
                 await request.reject(401, body=b"wrong or missing worker token\n")
                 await tls.aclose()
@@ -963,10 +998,7 @@ def _peer(tcp: trio.SocketStream) -> str:
 
 
 def _json_mapping(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, "body is not valid JSON") from None
+    data = decode_json(body) if body else None
     if not isinstance(data, dict):
         raise ApiError(
             ErrorCode.INVALID_ARGUMENT, "body must be a pool block (a JSON object with kubernetes)"
@@ -1018,7 +1050,7 @@ async def serve_controlplane(
         dispatcher = Dispatcher(
             store,
             registry,
-            Workspaces(config.workspaces),
+            Workspaces(config.workspaces, config.workspace_limits),
             lost_after_s=config.worker.lost_after_s,
         )
         control = Controlplane(config, registry, dispatcher)

@@ -12,6 +12,10 @@ way). Log streams, exec and port traffic are relayed, never buffered whole:
 - a box port is a CONNECT stream spliced with the worker's CONNECT to the container's port,
   one the task declared (refused here first, as the worker refuses any other);
 - an endpoint request is forwarded as HTTP/1.1 over such a stream (`control.api.endpoints`).
+
+Every route first takes a request from its token's bucket, a create checks the spec's size
+and counts the workspace's tasks in its insert, and a watch takes one of the token's stream
+slots (`control.limits`): one workspace cannot load the controlplane the others share.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
+import attrs
 import trio
 
 from agent.api.digests import parse_digest
 from agent.api.models import VolumeSpec
-from agent.api.reference import parse_reference
+from agent.api.reference import local_registry_refusal, parse_reference
+from agent.api.validation import canonical_mount_path
 from agent.wire.errors import ApiError, ErrorCode, dumps
 from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
 from agent.wire.service import (
@@ -35,8 +41,11 @@ from agent.wire.service import (
     Request,
     Router,
     StreamResponse,
+    bearer_token,
 )
 from control.api.endpoints import EndpointProxy, upstream_target
+from control.api.watch import watch_list, watch_value
+from control.limits import TenantGuard, active_tasks_refusal, spec_refusal, token_key
 from control.models import TaskList, TaskRequest, TaskSnapshot, TaskState, TaskView
 from control.tasks.dispatch import CLEANUP_S, SCHEDULE_EVERY_S, Dispatcher, WorkerLost
 from control.tasks.store import ACTIVE_ON_WORKER, TaskRecord, TaskSpec
@@ -46,11 +55,7 @@ log = logging.getLogger("levers9.tasks")
 WORKSPACE_PREFIX = "ws:"
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 NOT_STARTED_RETRY_S = 0.05
-WATCH_REFRESH_S = 2.0
-"""A watched list or task is read again at least this often: pull progress and waiting
-reasons change without a record changing."""
-WATCH_COALESCE_S = 0.25
-"""After a change, a watch waits this long for the rest of a burst before reading again."""
+R = TypeVar("R")
 
 
 def _log_to_keep(record: TaskRecord) -> bool:
@@ -68,7 +73,12 @@ def workspace_of(request_principal: str) -> str:
     return request_principal[len(WORKSPACE_PREFIX) :]
 
 
-def spec_of(request: TaskRequest, volumes: tuple[VolumeSpec, ...]) -> TaskSpec:
+def spec_of(
+    request: TaskRequest, volumes: tuple[VolumeSpec, ...], *, allow_local_registries: bool = False
+) -> TaskSpec:
+    """The spec to store, or INVALID_ARGUMENT naming the field. An image on a registry at a
+    loopback or link-local address (written in the reference) is refused here already, unless
+    the installation allows local registries; a name is resolved, and judged, by the worker."""
     if request.snapshot is not None:
         try:
             parse_digest(request.snapshot)
@@ -80,9 +90,12 @@ def spec_of(request: TaskRequest, volumes: tuple[VolumeSpec, ...]) -> TaskSpec:
                 field="snapshot",
             ) from None
     try:
-        parse_reference(request.image)
+        reference = parse_reference(request.image)
     except ApiError as exc:
         raise ApiError(ErrorCode.INVALID_ARGUMENT, exc.message, field="image") from None
+    refused = None if allow_local_registries else local_registry_refusal(reference.registry)
+    if refused is not None:
+        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"field 'image': {refused}", field="image")
     return TaskSpec(
         image=request.image,
         command=request.command,
@@ -91,11 +104,27 @@ def spec_of(request: TaskRequest, volumes: tuple[VolumeSpec, ...]) -> TaskSpec:
         cards=request.cards,
         cpu_millis=request.cpu_millis,
         memory_bytes=request.memory_bytes,
-        volumes=volumes,
+        volumes=canonical_mounts(volumes),
         ports=request.ports,
         timeout_s=request.timeout_s,
         snapshot=request.snapshot,
     )
+
+
+def canonical_mounts(volumes: tuple[VolumeSpec, ...]) -> tuple[VolumeSpec, ...]:
+    """The volumes at their canonical mount paths (the spelling stored, checked and mounted
+    at: `//etc/` is `/etc`), or INVALID_ARGUMENT naming `volumes[i].mountPath`."""
+    out = []
+    for i, volume in enumerate(volumes):
+        try:
+            path = canonical_mount_path(volume.mount_path)
+        except ValueError as exc:
+            field = f"volumes[{i}].mountPath"
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT, f"field {field!r}: {exc}", field=field
+            ) from None
+        out.append(attrs.evolve(volume, mount_path=path))
+    return tuple(out)
 
 
 def query_states(raw: str | None) -> list[TaskState] | None:
@@ -123,32 +152,6 @@ def query_limit(raw: str | None) -> int:
             ErrorCode.INVALID_ARGUMENT, "query 'limit' must be a number 1-1000", field="limit"
         )
     return int(raw)
-
-
-def watched(
-    read: Callable[[], Awaitable[Any]],
-    changed: Callable[[], Awaitable[None]],
-    done: Callable[[Any], bool] = lambda _: False,
-) -> StreamResponse:
-    """`?watch=true`: what `read` returns, as one JSON line now and one more each time it
-    differs, until `done` says the last one sent is final (an ended task) or the caller goes.
-    The dashboard's live views read this; it is the same value a plain GET returns."""
-
-    async def frames() -> AsyncGenerator[bytes, None]:
-        last = b""
-        while True:
-            current = await read()
-            encoded = dumps(current)
-            if encoded != last:
-                last = encoded
-                yield encoded + b"\n"
-            if done(current):
-                return
-            with trio.move_on_after(WATCH_REFRESH_S):
-                await changed()
-            await trio.sleep(WATCH_COALESCE_S)
-
-    return StreamResponse(frames, content_type="application/x-ndjson")
 
 
 def _flag(request: Request, name: str) -> bool:
@@ -185,15 +188,45 @@ def undeclared_port(
     )
 
 
-def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy) -> Dialer:
-    """Adds the task routes; returns the CONNECT dialer for box ports."""
+def add_task_routes(
+    router: Router,
+    dispatcher: Dispatcher,
+    proxy: EndpointProxy,
+    *,
+    allow_local_registries: bool = False,
+) -> Dialer:
+    """Adds the task routes; returns the CONNECT dialer for box ports. `allow_local_registries`:
+    some pool pulls from registries on its nodes (images on loopback addresses pass here)."""
     store = dispatcher.store
+    guard = TenantGuard()
+
+    def token_of(request: Request) -> str:
+        # A dashboard session (no bearer token) counts under its workspace.
+        return token_key(bearer_token(request.headers), request.principal)
+
+    def limited(handler: Callable[[Request], Awaitable[R]]) -> Callable[[Request], Awaitable[R]]:
+        """The handler, after the caller's token took a request from its bucket."""
+
+        async def admitted(request: Request) -> R:
+            workspace = workspace_of(request.principal)
+            limits = dispatcher.workspaces.limits(workspace)
+            guard.admit(token_of(request), limits, trio.current_time())
+            return await handler(request)
+
+        return admitted
 
     async def create(request: Request) -> JsonResponse:
         workspace = workspace_of(request.principal)
         asked = await request.json(TaskRequest)
         volumes = dispatcher.workspaces.volumes(workspace, asked.volumes)
-        record = await store.create(workspace, spec_of(asked, volumes))
+        spec = spec_of(asked, volumes, allow_local_registries=allow_local_registries)
+        limits = dispatcher.workspaces.limits(workspace)
+        refused = spec_refusal(spec, limits)
+        if refused is not None:
+            raise refused
+        record = await store.create(
+            workspace, spec, admit=lambda active: active_tasks_refusal(active, limits)
+        )
         log.info(
             "task %s created in workspace %s (%s)",
             record.id,
@@ -221,8 +254,9 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
             return TaskList(views, next=views[-1].id if len(records) > limit else None)
 
         if _flag(request, "watch"):
+            slot = guard.watch(token_of(request), dispatcher.workspaces.limits(workspace))
             await page()  # a wrong cursor is refused before the stream starts
-            return watched(page, dispatcher.wait_changed)
+            return watch_list(page, dispatcher.wait_changed, slot)
         return await page()
 
     async def get(request: Request) -> TaskView | StreamResponse:
@@ -233,8 +267,9 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
             return dispatcher.view(await store.get(workspace, task_id))
 
         if _flag(request, "watch"):
+            slot = guard.watch(token_of(request), dispatcher.workspaces.limits(workspace))
             await one()  # NOT_FOUND before the stream starts
-            return watched(one, dispatcher.wait_changed, lambda view: view.state.terminal)
+            return watch_value(one, dispatcher.wait_changed, lambda view: view.state.terminal, slot)
         return await one()
 
     async def wait(request: Request) -> TaskView:
@@ -384,13 +419,13 @@ def add_task_routes(router: Router, dispatcher: Dispatcher, proxy: EndpointProxy
         except WorkerLost as exc:
             raise ApiError(ErrorCode.UNAVAILABLE, str(exc)) from None
 
-    router.add("POST", "/v1/tasks", create)
-    router.add("GET", "/v1/tasks", list_tasks)
-    router.add("GET", "/v1/tasks/{id}", get)
-    router.add("GET", "/v1/tasks/{id}/wait", wait)
-    router.add("POST", "/v1/tasks/{id}/cancel", cancel)
-    router.add("POST", "/v1/tasks/{id}/snapshot", snapshot)
-    router.add("GET", "/v1/tasks/{id}/logs", logs)
+    router.add("POST", "/v1/tasks", limited(create))
+    router.add("GET", "/v1/tasks", limited(list_tasks))
+    router.add("GET", "/v1/tasks/{id}", limited(get))
+    router.add("GET", "/v1/tasks/{id}/wait", limited(wait))
+    router.add("POST", "/v1/tasks/{id}/cancel", limited(cancel))
+    router.add("POST", "/v1/tasks/{id}/snapshot", limited(snapshot))
+    router.add("GET", "/v1/tasks/{id}/logs", limited(logs))
     router.add_websocket("/v1/tasks/{id}/exec", exec_)
     for method in HTTP_METHODS:
         router.add(method, "/v1/tasks/{id}/ports/{port}/{path...}", endpoint)

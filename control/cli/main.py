@@ -340,8 +340,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = EXIT_BROKEN_PIPE
+    from control.cli.output import visible
+
     for message in messages:
-        print(f"levers9: {message}", file=sys.stderr)
+        # A server's message may quote what a workspace wrote: never raw to a terminal.
+        print(f"levers9: {visible(message, lines=True)}", file=sys.stderr)
     return code
 
 

@@ -1,8 +1,15 @@
-"""What the CLI prints: tables and `--json`, task details, pull progress and outcomes."""
+"""What the CLI prints: tables and `--json`, task details, pull progress and outcomes.
+
+Every field shown to a person goes through `visible`: a task's command, env, image and reason
+are whatever a workspace token holder (or a worker) wrote, and a raw ESC sequence printed to a
+terminal can retitle or clear it. Control characters are shown escaped (`\x1b`). `--json` is
+safe as it is (the encoder escapes them), and logs are the task's own output: printed raw.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import (
@@ -19,8 +26,20 @@ from control.models import MachineView, PoolView, TaskState, TaskView
 
 T = TypeVar("T")
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL_BUT_LINES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str, *, lines: bool = False) -> str:
+    """`text` with every C0 and C1 control character (tab and newline too: one field, one
+    line) written as its escape, `\x1b`, so a terminal shows it instead of obeying it.
+    `lines`: tab and newline stay (a message of several lines)."""
+    pattern = _CONTROL_BUT_LINES if lines else _CONTROL
+    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    rows = [[visible(cell) for cell in row] for row in rows]
     widths = [
         max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
     ]
@@ -120,7 +139,7 @@ def task_details(view: TaskView, now: float) -> list[tuple[str, str]]:
 
 def format_details(pairs: Sequence[tuple[str, str]]) -> str:
     width = max((len(name) for name, _ in pairs), default=0) + 1
-    return "\n".join(f"{(name + ':').ljust(width)} {value}" for name, value in pairs)
+    return "\n".join(f"{(name + ':').ljust(width)} {visible(value)}" for name, value in pairs)
 
 
 def progress_text(view: TaskView) -> str:
@@ -153,7 +172,7 @@ def not_started_detail(view: TaskView) -> str:
 def deadline_message(view: TaskView, wait_s: float) -> str:
     return (
         f"DEADLINE_EXCEEDED: task {view.id} has not started within {wait_s:g} s "
-        f"({view.state.value}: {not_started_detail(view)}); it goes on: follow it with "
+        f"({view.state.value}: {visible(not_started_detail(view))}); it goes on: follow it with "
         f"'levers9 task logs -f {view.id}' or 'levers9 task get {view.id}'"
     )
 
@@ -163,7 +182,7 @@ def task_outcome(view: TaskView) -> tuple[int, str | None]:
     code = view.exit_code
     if view.state is TaskState.SUCCEEDED:
         return (code if code is not None and 0 <= code <= 255 else 0), None
-    reason = view.reason or "no reason given"
+    reason = visible(view.reason or "no reason given")
     message = f"task {view.id} {view.state.value}: {reason}"
     if view.state is TaskState.FAILED and code is not None and 0 < code <= 255:
         return code, (message if view.reason else None)
@@ -184,7 +203,7 @@ class Progress:
 
     def update(self, view: TaskView) -> str:
         """What to write to stderr for this state of the task ('' for nothing)."""
-        text = progress_text(view)
+        text = visible(progress_text(view))
         if self.tty:
             if self.width > 1:
                 text = text[: self.width - 1]

@@ -104,6 +104,7 @@ def settings_of(pool: PoolConfig) -> PoolSettings:
         reconcile_seconds=kube.reconcile_seconds,
         metrics_port=kube.agent_metrics_port,
         metrics_host=kube.agent_metrics_host,
+        allow_local_registries=kube.allow_local_registries,
     )
 
 

@@ -351,6 +351,8 @@ class PoolSettings:
     ttl_seconds_after_finished: int = 600
     not_ready_grace_s: float = 300.0
     """As long as Kubernetes' own pods tolerate `node.kubernetes.io/not-ready` by default."""
+    allow_local_registries: bool = False
+    """LEVERS9_ALLOW_LOCAL_REGISTRIES=1: the workers pull from registries on their node."""
 
 
 @attrs.frozen
@@ -998,6 +1000,8 @@ def job_manifest(
             "valueFrom": {"secretKeyRef": {"name": token_secret_name, "key": TOKEN_KEY}},
         },
     ]
+    if settings.allow_local_registries:
+        env.append({"name": "LEVERS9_ALLOW_LOCAL_REGISTRIES", "value": "1"})
     if settings.metrics_port is not None:
         env += [
             {"name": "LEVERS9_METRICS_PORT", "value": str(settings.metrics_port)},

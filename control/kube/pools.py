@@ -231,6 +231,10 @@ class KubernetesPool:
     in_cluster: bool = False
     """The controlplane's own cluster, reached with its pod's ServiceAccount: endpoint, CA and
     credentialsFile are filled in from the pod when the block is loaded."""
+    allow_local_registries: bool = False
+    """The workers pull from registries on their node's loopback or link-local addresses, or
+    the node's own (LEVERS9_ALLOW_LOCAL_REGISTRIES=1): for a registry mirror on each node. Off,
+    such images are refused, as a task could otherwise probe the node's ports."""
 
     @property
     def ca_pem(self) -> bytes:

@@ -37,6 +37,7 @@ from agent.wire.connection import (
 from agent.wire.errors import ApiError, ErrorCode, dumps
 from agent.wire.http2 import Http2Settings
 from agent.wire.tls import PinMismatchError, TLSStream, pinned_client_context
+from agent.wire.untrusted import clip
 from control.replicas.directory import OwnerAddress
 
 __all__ = [
@@ -125,8 +126,8 @@ async def serve_forwarded(
     if not replica_secret_matches(stream.headers or [], secret):
         log.warning(
             "a forwarded request for worker %s was refused: wrong replica secret",
-            worker_id,
-            extra={"worker": worker_id},
+            clip(worker_id),
+            extra={"worker": clip(worker_id)},
         )
         await refuse(stream, ApiError(ErrorCode.UNAUTHENTICATED, "wrong replica secret"))
         return

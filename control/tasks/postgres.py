@@ -90,6 +90,17 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE workers ADD COLUMN tunnel_replica TEXT;
     ALTER TABLE workers ADD COLUMN tunnel_at DOUBLE PRECISION;
     """,
+    # 4: the dashboard's sessions (control.ui.sessions): the hash of each id, never the id.
+    """
+    CREATE TABLE ui_sessions (
+        id_hash TEXT PRIMARY KEY,
+        principal TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL,
+        last_seen_at DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE INDEX ui_sessions_expires ON ui_sessions (expires_at);
+    """,
 )
 """Schema migrations; the database's version is how many of these it has had."""
 

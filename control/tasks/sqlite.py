@@ -84,6 +84,17 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE workers ADD COLUMN tunnel_replica TEXT;
     ALTER TABLE workers ADD COLUMN tunnel_at REAL;
     """,
+    # 6: the dashboard's sessions (control.ui.sessions): the hash of each id, never the id.
+    """
+    CREATE TABLE ui_sessions (
+        id_hash TEXT PRIMARY KEY,
+        principal TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        last_seen_at REAL NOT NULL,
+        expires_at REAL NOT NULL
+    );
+    CREATE INDEX ui_sessions_expires ON ui_sessions (expires_at);
+    """,
 )
 """Schema migrations; the file's version is how many of these it has had."""
 

@@ -24,6 +24,7 @@ task on a worker.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,7 +34,8 @@ import attrs
 import trio
 
 from agent.api.models import VolumeSpec
-from agent.wire.errors import ApiError, ErrorCode, dumps, loads
+from agent.api.validation import canonical_mount_path, check_c_string, check_env_name
+from agent.wire.errors import ApiError, ErrorCode, dumps, structure
 from control.database import Database, Tx
 from control.models import TaskState
 
@@ -69,16 +71,25 @@ def validate_spec(workspace: str, spec: TaskSpec) -> None:
     """Refuse a spec a worker could not run, naming the field and what to change."""
     if not spec.image.strip():
         raise _invalid("image", "is empty; give an image reference such as 'busybox:latest'")
-    for name in spec.env:
-        if not name or "=" in name or "\0" in name:
-            raise _invalid("env", f"variable name {name!r} must be non-empty without '=' or NUL")
+    try:
+        for name, value in spec.env.items():
+            check_env_name(name)
+            check_c_string(value, f"the value of {name}")
+    except ValueError as exc:
+        raise _invalid("env", str(exc)) from None
+    for field, values in (("command", spec.command), ("args", spec.args)):
+        for i, value in enumerate(values or ()):
+            try:
+                check_c_string(value, f"item {i}")
+            except ValueError as exc:
+                raise _invalid(field, str(exc)) from None
     if spec.cards < 0:
         raise _invalid("cards", f"is {spec.cards}; give 0 or more cards")
     if spec.cpu_millis is not None and spec.cpu_millis <= 0:
         raise _invalid("cpuMillis", f"is {spec.cpu_millis}; give a positive number or omit it")
     if spec.memory_bytes is not None and spec.memory_bytes <= 0:
         raise _invalid("memoryBytes", f"is {spec.memory_bytes}; give a positive number or omit it")
-    if spec.timeout_s is not None and not spec.timeout_s > 0:
+    if spec.timeout_s is not None and not (math.isfinite(spec.timeout_s) and spec.timeout_s > 0):
         raise _invalid("timeoutS", f"is {spec.timeout_s}; give a positive number or omit it")
     for port in spec.ports:
         if not 1 <= port <= 65535:
@@ -93,11 +104,13 @@ def validate_spec(workspace: str, spec: TaskSpec) -> None:
                 f"is {volume.workspace!r}; a task may only mount buckets of its own workspace "
                 f"{workspace!r}",
             )
-        if not volume.mount_path.startswith("/"):
-            raise _invalid(f"volumes[{i}].mountPath", "must be an absolute path")
-        if volume.mount_path in mounts:
+        try:
+            path = canonical_mount_path(volume.mount_path)
+        except ValueError as exc:
+            raise _invalid(f"volumes[{i}].mountPath", str(exc)) from None
+        if path in mounts:
             raise _invalid(f"volumes[{i}].mountPath", f"{volume.mount_path!r} is used twice")
-        mounts.add(volume.mount_path)
+        mounts.add(path)
 
 
 def without_secrets(spec: TaskSpec) -> TaskSpec:
@@ -290,13 +303,26 @@ def _new_id() -> str:
     return f"t-{secrets.token_hex(6)}"
 
 
+def _finite_or_none(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _stored_spec(text: str) -> TaskSpec:
+    """A stored spec. One written before the API refused non-finite numbers may hold
+    `Infinity` (a `timeoutS` that never ends): read as absent, which means the same, so the
+    record still lists and is answered as valid JSON."""
+    data = json.loads(text, parse_constant=lambda _: None, parse_float=_finite_or_none)
+    return structure(data, TaskSpec)
+
+
 def _row_to_record(row: Sequence[Any]) -> tuple[TaskRecord, int]:
     (id_, workspace, state, spec, created_at, started_at, running_at, finished_at, worker,
      node, cards, exit_code, reason, version) = row  # fmt: skip
     record = TaskRecord(
         id=id_,
         workspace=workspace,
-        spec=loads(spec.encode(), TaskSpec),
+        spec=_stored_spec(spec),
         state=TaskState(state),
         created_at=created_at,
         started_at=started_at,
@@ -383,6 +409,19 @@ def _active_on(tx: Tx, worker: str) -> list[tuple[TaskRecord, int]]:
     return [_row_to_record(r) for r in rows]
 
 
+_NOT_ENDED = tuple(s.value for s in TaskState if not s.terminal)
+
+
+def _count_active(tx: Tx, workspace: str) -> int:
+    """The workspace's tasks pending, starting or running (the (workspace, state) index)."""
+    row = tx.execute(
+        f"SELECT COUNT(*) FROM tasks WHERE workspace=? AND state IN "
+        f"({','.join('?' * len(_NOT_ENDED))})",
+        (workspace, *_NOT_ENDED),
+    ).fetchone()
+    return int(row[0]) if row is not None else 0
+
+
 class TaskStore:
     """Task records in a `Database`. Open with `open_task_store`."""
 
@@ -433,14 +472,30 @@ class TaskStore:
             f"task database {self.where}: the record kept changing under us; retry shortly",
         )
 
-    async def create(self, workspace: str, spec: TaskSpec) -> TaskRecord:
-        """Validate and store a new pending task; its id is fresh and its place in FIFO last."""
+    async def create(
+        self,
+        workspace: str,
+        spec: TaskSpec,
+        admit: Callable[[int], ApiError | None] | None = None,
+    ) -> TaskRecord:
+        """Validate and store a new pending task; its id is fresh and its place in FIFO last.
+
+        `admit`: told how many of the workspace's tasks are pending or running, in the
+        insert's own transaction, it returns why this one may not be added (raised), or None.
+        SQLite runs one writer at a time, so the count is exact there; PostgreSQL at READ
+        COMMITTED lets creates that run at the same moment each miss the others' rows, so the
+        limit may be passed by the number of creates in flight at once (bounded by the
+        request rate), never more."""
         validate_spec(workspace, spec)
         stored = without_secrets(spec)
         spec_json = dumps(stored).decode()
         now = self._clock()
 
         def insert(tx: Tx) -> TaskRecord | None:
+            if admit is not None:
+                refused = admit(_count_active(tx, workspace))
+                if refused is not None:
+                    raise refused
             record = TaskRecord(
                 id=_new_id(),
                 workspace=workspace,

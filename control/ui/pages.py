@@ -3,10 +3,12 @@
 The pages hold no data of their own: the shell's script reads everything through the same
 `/v1/` API the CLI calls, with the session cookie in place of a bearer header, so a page can
 show no more than its token may read (`control.ui.session` says which routes take the cookie).
-What is rendered here is the shell (who is signed in and the CSRF value, in `<meta>`), the
-sign-in form with its error, and the 404 page; every one is served with a strict
-Content-Security-Policy (scripts and styles from our own static files only, nothing inline,
-no framing), and the static files are shipped in the wheel, never fetched from elsewhere.
+What is rendered here is the shell (who is signed in and the session's CSRF value, in
+`<meta>`), the sign-in form with its error, and the 404 page; every one, and every JSON error
+under `/ui/` (`error_headers`), is served with a strict Content-Security-Policy (scripts and
+styles from our own static files only, nothing inline, no framing) and not cached; the static
+files are shipped in the wheel, never fetched from elsewhere. Signing in makes a session
+(`control.ui.sessions`) and signing out deletes it.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from agent.wire.service import BytesResponse, Request, Router
 from control.ui.session import (
     cleared_cookie,
     cookie_safe,
-    cookie_token,
+    cookie_session,
     csrf_token,
     same_origin,
     session_cookie,
 )
+from control.ui.sessions import SessionStore
 
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -49,6 +52,14 @@ TYPES = {
     ".html": "text/html; charset=utf-8",
 }
 MAX_FORM_BYTES = 8192
+
+
+def error_headers(path: str) -> tuple[tuple[str, str], ...]:
+    """What an error answer (JSON) carries besides its type: under `/ui/`, what the pages
+    carry, so a refusal is no weaker a page than the pages; elsewhere nothing more."""
+    if path == "/ui" or path.startswith("/ui/"):
+        return (*SECURITY_HEADERS, ("cache-control", "no-store"))
+    return ()
 
 
 @attrs.frozen
@@ -103,9 +114,12 @@ def who(principal: str) -> tuple[str, str]:
     return ("operator" if kind == "api" else "workspace"), name
 
 
-def add_ui_routes(router: Router, identify: Callable[[str], str | None], title: str) -> None:
+def add_ui_routes(
+    router: Router, identify: Callable[[str], str | None], sessions: SessionStore, title: str
+) -> None:
     """The dashboard's routes. `identify(token)` is the API's own authentication: the
-    principal a token stands for (`api:NAME` or `ws:NAME`), or None."""
+    principal a token stands for (`api:NAME` or `ws:NAME`), or None; `sessions` keeps the
+    sessions signing in makes."""
     files = load_static()
     templates = {name: f.body.decode() for name, f in files.items() if name.endswith(".html")}
 
@@ -118,7 +132,7 @@ def add_ui_routes(router: Router, identify: Callable[[str], str | None], title: 
     async def shell(request: Request) -> BytesResponse:
         if not request.principal:
             return redirect("/ui/signin")
-        token = cookie_token(request.headers)
+        session_id = cookie_session(request.headers)
         kind, name = who(request.principal)
         return page(
             render(
@@ -126,7 +140,7 @@ def add_ui_routes(router: Router, identify: Callable[[str], str | None], title: 
                 title=title,
                 kind=kind,
                 name=name,
-                csrf=csrf_token(token) if token else "",
+                csrf=csrf_token(session_id) if session_id else "",
             )
         )
 
@@ -148,9 +162,24 @@ def add_ui_routes(router: Router, identify: Callable[[str], str | None], title: 
                 "Check it with `levers9 login`, or ask your operator for one.",
                 401,
             )
-        return redirect("/ui/", (("set-cookie", session_cookie(token)),))
+        previous = cookie_session(request.headers)
+        if previous is not None:
+            await sessions.revoke(previous)
+        session_id = await sessions.create(principal)
+        return redirect("/ui/", (("set-cookie", session_cookie(session_id)),))
 
     async def signout(request: Request) -> BytesResponse:
+        # The origin was checked before any handler (`Controlplane._session_principal`);
+        # checked again here so that no route table can make signing out a cross-site act.
+        headers = {**request.headers, ":authority": request.authority}
+        if not same_origin(headers):
+            raise ApiError(
+                ErrorCode.PERMISSION_DENIED,
+                "this sign-out came from another site's page; use the dashboard itself",
+            )
+        session_id = cookie_session(request.headers)
+        if session_id is not None:
+            await sessions.revoke(session_id)
         return redirect("/ui/signin", (("set-cookie", cleared_cookie()),))
 
     async def static(request: Request) -> BytesResponse:

@@ -55,6 +55,7 @@ from agent.runtime.images.auth import (
     parse_challenges,
     parse_token,
 )
+from agent.runtime.images.guard import GuardedBackend
 from agent.runtime.images.manifests import (
     MANIFEST_ACCEPT,
     MAX_INDEX_DEPTH,
@@ -250,7 +251,9 @@ class ImagePuller:
     """Pulls images into an `ObjectStore`. One per agent: the single-flight map, the token
     cache and the HTTP connection pool are per puller. Close it (`async with` or `aclose`).
 
-    `transport` replaces httpx's own (tests wrap the real one to count requests)."""
+    `transport` replaces httpx's own (tests wrap the real one to count requests).
+    `refuse_local_registries`: registries on the node are refused before they are dialled
+    (`agent.runtime.images.guard`); the worker's containers set it unless its pool allows them."""
 
     def __init__(
         self,
@@ -262,12 +265,18 @@ class ImagePuller:
         transport: httpx.AsyncBaseTransport | None = None,
         max_concurrent_downloads: int = 4,
         state_dir: Path | None = None,
+        refuse_local_registries: bool = False,
     ) -> None:
         self.store = store
         self.platform = platform or Platform.of_this_node()
         self.insecure_registries = tuple(insecure_registries)
         if transport is None:
             transport = httpx.AsyncHTTPTransport(verify=_ssl_context(ca_file))
+            if refuse_local_registries:
+                # Every dial (registry, token realm, blob redirect) resolves and is judged
+                # first (`guard`); httpx has no public seam for the network backend.
+                pool = transport._pool
+                pool._network_backend = GuardedBackend(pool._network_backend)
         # No proxies or .netrc from the environment: credentials come from the caller only.
         self._client = httpx.AsyncClient(
             transport=transport,

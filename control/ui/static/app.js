@@ -201,6 +201,16 @@ function setNav(name) {
   }
 }
 
+// A watched page after one line of changes: the removed and changed tasks taken out, then
+// each changed one put at its place, in order (`apply_changes` in control/api/watch.py).
+function applyChanges(page, changes) {
+  const changed = changes.changed || [];
+  const moved = new Set([...(changes.removed || []), ...changed.map((c) => c.task.id)]);
+  const tasks = page.tasks.filter((task) => !moved.has(task.id));
+  for (const c of changed) tasks.splice(c.index, 0, c.task);
+  return { tasks, next: changes.next ?? null };
+}
+
 async function appsView(query, signal) {
   setNav("apps");
   const state = query.get("state") || "";
@@ -242,7 +252,9 @@ async function appsView(query, signal) {
   };
   const ticker = setInterval(() => latest && draw(latest), 1000);
   signal.addEventListener("abort", () => clearInterval(ticker), { once: true });
-  await keepStreaming(`/v1/tasks?${params}`, draw, (error) => fill(trouble, ...(error ? [problem(error)] : [])), signal);
+  // The first line is the page, each later one its changes (control/api/watch.py).
+  const onItem = (item) => draw(item.tasks ? item : applyChanges(latest, item));
+  await keepStreaming(`/v1/tasks?${params}`, onItem, (error) => fill(trouble, ...(error ? [problem(error)] : [])), signal);
 }
 
 function confirmThen(text, action) {

@@ -472,8 +472,10 @@ def outside_a_pod(
     config: Mapping[str, Any], mounts: Mapping[str, Path], port: int
 ) -> dict[str, Any]:
     """The settings that differ outside a pod, as one more `--config` merged last: every path in
-    `config` under a mount, where the mount is laid out, and the listen address on loopback at
-    the port `$PUBLIC_URL` names (where the Service would send its port 443)."""
+    `config` under a mount, where the mount is laid out, the listen address on loopback at
+    the port `$PUBLIC_URL` names (where the Service would send its port 443), and images from
+    a registry on loopback (the test's registry; the nodes' agents are told so by the kubelet,
+    `agent_environment`), which a real recipe's registry is not."""
 
     def paths(node: Any) -> Any:
         if isinstance(node, Mapping):
@@ -485,6 +487,7 @@ def outside_a_pod(
 
     outside: dict[str, Any] = paths(config) or {}
     outside.setdefault("config", {})["listen"] = f"127.0.0.1:{port}"
+    outside["config"].setdefault("worker", {})["allowLocalRegistries"] = True
     return outside
 
 

@@ -568,3 +568,79 @@ async def test_an_idle_worker_is_retired_once_and_never_while_this_pass_places_o
         dispatcher._retire_idle([big], plan, [attrs.evolve(idle, draining=True)], machines)
         assert len(asked) == 1
         nursery.cancel_scope.cancel()
+
+
+class _ExitsAtOnce:
+    """A connected worker whose container has exited 0 by the time it is created, and whose
+    log read answers as `logs` says: its lines, or an error every time (a worker gone)."""
+
+    def __init__(self, logs: list[str] | ApiError) -> None:
+        self.logs = logs
+        self.deleted = False
+
+    async def client_for(self, worker_id: str) -> _ExitsAtOnce:
+        return self
+
+    def knows(self, worker_id: str) -> bool:
+        return True
+
+    async def create_container(self, spec: Any) -> ContainerStatus:
+        return ContainerStatus(
+            id=spec.id,
+            image="busybox",
+            state="exited",
+            created_at=1.0,
+            started_at=1.0,
+            finished_at=1.1,
+            exit_code=0,
+        )
+
+    async def container_logs(self, container_id: str) -> AsyncIterator[LogLine]:
+        if isinstance(self.logs, ApiError):
+            raise self.logs
+        for text in self.logs:
+            yield LogLine(time="2026-12-07T00:00:00Z", stream="stdout", text=text)
+
+    async def delete_container(self, container_id: str) -> None:
+        self.deleted = True
+
+
+async def test_a_task_ends_once_its_log_is_kept_and_a_worker_gone_first_loses_it(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Seen in a chaos campaign: a restore's agent killed right after `cat /keep` exited left
+    the task succeeded with an empty log; the end was written before the log was kept."""
+    async with open_task_store(tmp_path / "tasks.db") as store:
+        ends: list[tuple[TaskState, bool]] = []
+
+        class _Watched:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            async def apply(self, workspace: str, task_id: str, event: TaskEvent) -> TaskRecord:
+                after = await store.apply(workspace, task_id, event)
+                if after.state.terminal:
+                    ends.append((after.state, bool(await store.logs(workspace, task_id))))
+                return after
+
+        worker = _ExitsAtOnce(["snapshot-1"])
+        dispatcher = Dispatcher(_Watched(), worker, Workspaces(()), lost_after_s=30)  # type: ignore[arg-type]
+        created = await store.create("a", TaskSpec(image="busybox"))
+        placed = await store.apply("a", created.id, Start(worker="w1", node="n1"))
+        await dispatcher._watch(placed, False)
+        # The end was written with the log already kept, and the container deleted after.
+        assert ends == [(TaskState.SUCCEEDED, True)]
+        assert worker.deleted
+
+        ends.clear()
+        gone = _ExitsAtOnce(ApiError(ErrorCode.UNAVAILABLE, "worker w2 unreachable: reset"))
+        dispatcher = Dispatcher(_Watched(), gone, Workspaces(()), lost_after_s=30)  # type: ignore[arg-type]
+        created = await store.create("a", TaskSpec(image="busybox"))
+        placed = await store.apply("a", created.id, Start(worker="w2", node="n1"))
+        await dispatcher._watch(placed, False)
+        ended = await store.get("a", created.id)
+        # Not "succeeded" with its output missing: lost, with why.
+        assert (ended.state, ended.reason) == (
+            TaskState.LOST,
+            "worker w2 was unreachable for 30 s (worker w2 unreachable: reset)",
+        )

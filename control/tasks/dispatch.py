@@ -758,14 +758,20 @@ class Dispatcher:
     async def _write(
         self, record: TaskRecord, event: Exited | Failed | Lost | Running
     ) -> TaskRecord:
-        """`store.apply`, written again while the task database is away (restarting, failing
-        over: UNAVAILABLE), for as long as it takes: what the worker said is not given up, and
-        a database that went away is not the task's failure."""
+        """`store.apply`, written again while the task database is away (`_stored`)."""
+        return await self._stored(
+            record, lambda: self.store.apply(record.workspace, record.id, event)
+        )
+
+    async def _stored(self, record: TaskRecord, write: Callable[[], Awaitable[T]]) -> T:
+        """`write` of the task's record or log, again while the task database is away
+        (restarting, failing over: UNAVAILABLE), for as long as it takes: what the worker said
+        is not given up, and a database that went away is not the task's failure."""
         backoff = BackoffState()
         waiting = False
         while True:
             try:
-                return await self.store.apply(record.workspace, record.id, event)
+                return await write()
             except TaskStoreError as exc:
                 if exc.code is not ErrorCode.UNAVAILABLE:
                     raise
@@ -811,22 +817,36 @@ class Dispatcher:
         if record.spec.timeout_s is not None:
             begun = record.started_at or self.clock()
             deadline = trio.current_time() + max(0.0, begun + record.spec.timeout_s - self.clock())
-        with trio.move_on_at(deadline if deadline is not None else float("inf")) as timeout:
+        status: ContainerStatus | None = None
+        with trio.move_on_at(deadline if deadline is not None else float("inf")):
             status = await self._start(record, adopted)
             if status is None:
                 return
             if status.state not in ("exited", "failed"):
                 status = await self.on_worker(worker, lambda c: c.wait_container(task_id))
-            if status.started_at is not None and record.state is not TaskState.RUNNING:
-                await self._running(record, status)
-            await self._settle(record, outcome(status))
-            await self._clean_up(record, stop=False)
-            return
-        if timeout.cancelled_caught:
+        if status is None or status.state not in ("exited", "failed"):
             await self._settle(
                 record, Failed(f"ran past its timeout of {record.spec.timeout_s:g} s; stopped")
             )
             await self._clean_up(record, stop=True)
+            return
+        if status.started_at is not None and record.state is not TaskState.RUNNING:
+            await self._running(record, status)
+        # The log is kept before the end is written: a worker gone in between loses the task
+        # (its output with it), never leaves it ended with its output missing.
+        try:
+            await self._keep_log(record)
+        except ApiError as exc:
+            # The worker is there but its log is not (or the store refused it): the end is
+            # still the container's own.
+            log.warning(
+                "task %s: its log could not be kept: %s",
+                task_id,
+                exc,
+                extra=_fields(task=task_id, worker=worker),
+            )
+        await self._settle(record, outcome(status))
+        await self._clean_up(record, stop=False, keep_log=False)
 
     async def _running(self, record: TaskRecord, status: ContainerStatus) -> None:
         try:
@@ -996,9 +1016,26 @@ class Dispatcher:
             return True
         return False
 
-    async def _clean_up(self, record: TaskRecord, *, stop: bool) -> None:
-        """Stop the container if asked, keep its log, let the worker delete it. Bounded and
-        shielded: it runs when the watcher is being cancelled too."""
+    async def _keep_log(self, record: TaskRecord) -> None:
+        """Read the container's log from its worker and keep its tail in the task store.
+        WorkerLost when the worker is gone first."""
+        assert record.worker is not None
+        task_id = record.id
+
+        async def read_log(client: WorkerClient) -> list[bytes]:
+            lines = []
+            async with contextlib.aclosing(client.container_logs(task_id)) as source:
+                async for line in source:
+                    lines.append(dumps(line) + b"\n")
+            return lines
+
+        lines = await self.on_worker(record.worker, read_log)
+        kept = keep_tail(lines, LOG_KEEP_BYTES)
+        await self._stored(record, lambda: self.store.save_logs(task_id, kept))
+
+    async def _clean_up(self, record: TaskRecord, *, stop: bool, keep_log: bool = True) -> None:
+        """Stop the container if asked, keep its log (unless kept already), let the worker
+        delete it. Bounded and shielded: it runs when the watcher is being cancelled too."""
         assert record.worker is not None
         worker = record.worker
         task_id = record.id
@@ -1007,16 +1044,8 @@ class Dispatcher:
             try:
                 if stop:
                     await self.on_worker(worker, lambda c: c.stop_container(task_id))
-
-                async def read_log(client: WorkerClient) -> list[bytes]:
-                    lines = []
-                    async with contextlib.aclosing(client.container_logs(task_id)) as source:
-                        async for line in source:
-                            lines.append(dumps(line) + b"\n")
-                    return lines
-
-                lines = await self.on_worker(worker, read_log)
-                await self.store.save_logs(task_id, keep_tail(lines, LOG_KEEP_BYTES))
+                if keep_log:
+                    await self._keep_log(record)
                 await self.on_worker(worker, lambda c: c.delete_container(task_id))
             except (ApiError, WorkerLost) as exc:
                 if getattr(exc, "code", None) is not ErrorCode.NOT_FOUND:

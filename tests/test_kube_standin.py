@@ -18,6 +18,7 @@ from kubernetes.client.rest import ApiException
 from sim.kubeapi.http import start_kube_standin
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
+from tests.kubectl import kubectl
 
 pytest_plugins = ["tests.kube_fixtures"]
 
@@ -247,31 +248,19 @@ async def test_usable_from_trio(kube: KubeStandin, kubeconfig: Path) -> None:
         assert await trio.to_thread.run_sync(list_gpus) == ["8"]
 
 
-def _kubectl(kubeconfig: Path, *args: str) -> str:
-    done = subprocess.run(
-        ["kubectl", "--kubeconfig", str(kubeconfig), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def test_kubectl(kube: KubeStandin, kubeconfig: Path, tmp_path: Path) -> None:
+def testkubectl(kube: KubeStandin, kubeconfig: Path, tmp_path: Path) -> None:
     kube.add_node(make_node("gpu-1"))
     kube.add_node(make_node("gpu-2", ready=False, unschedulable=True))
     kube.add_pod(make_pod("app", "gpu-1", gpu_limit=1))
     with kube.api_client() as api:
         client.BatchV1Api(api).create_namespaced_job("default", _job("w-gpu-1", "gpu-1"))
-    out = _kubectl(kubeconfig, "get", "nodes,pods,jobs", "-A")
+    out = kubectl(kubeconfig, "get", "nodes,pods,jobs", "-A")
     assert "node/gpu-1" in out and "pod/app" in out and "job.batch/w-gpu-1" in out
     assert "NotReady,SchedulingDisabled" in out
-    nodes = json.loads(_kubectl(kubeconfig, "get", "nodes", "-o", "json"))
+    nodes = json.loads(kubectl(kubeconfig, "get", "nodes", "-o", "json"))
     assert [n["metadata"]["name"] for n in nodes["items"]] == ["gpu-1", "gpu-2"]
     assert nodes["items"][0]["status"]["capacity"]["nvidia.com/gpu"] == "4"
-    assert "app" in _kubectl(kubeconfig, "get", "pods", "--field-selector", "spec.nodeName=gpu-1")
+    assert "app" in kubectl(kubeconfig, "get", "pods", "--field-selector", "spec.nodeName=gpu-1")
     bad = kube.write_kubeconfig(tmp_path / "bad-kubeconfig", token="wrong")
     refused = subprocess.run(
         ["kubectl", "--kubeconfig", str(bad), "get", "nodes"],

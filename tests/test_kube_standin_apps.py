@@ -28,6 +28,7 @@ from sim.kubeapi.patches import strategic_merge_patch
 from sim.kubeapi.scheduler import Unschedulable, pick_node
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
+from tests.kubectl import kubectl
 from tests.test_kubelet import needs_root, open_cluster, uuids
 from tests.test_pool_reconcile import gpu_node, gpu_request, reconciler, until
 
@@ -74,19 +75,6 @@ def deployment(
             "template": {"metadata": {"labels": {"app": name}}, "spec": spec},
         },
     }
-
-
-def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None) -> str:
-    done = subprocess.run(
-        [KUBECTL, "--kubeconfig", str(kubeconfig), *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def apply(kubeconfig: Path, *objects: dict[str, Any]) -> str:

@@ -5,7 +5,6 @@ the field selectors a real apiserver supports, with RBAC enforced on them as on 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from sim.kubeapi.store import KubeStandin
+from tests.kubectl import kubectl
 from tests.test_kube_standin_rbac import _binding, _join, _refusal, _role, _rule
 from tests.test_kube_standin_watch import _seen, _stream
 
@@ -72,18 +72,6 @@ def _names(listed: Any) -> list[str]:
 def _list(core: Any, field_selector: str) -> Any:
     response = core.list_namespaced_event(NS, field_selector=field_selector, _preload_content=False)
     return json.loads(response.data)
-
-
-def _kubectl(kubeconfig: Path, *args: str) -> str:
-    done = subprocess.run(
-        ["/usr/bin/kubectl", "--kubeconfig", str(kubeconfig), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def test_events_crud_and_field_selectors(kube: KubeStandin) -> None:
@@ -237,17 +225,17 @@ def test_kubectl_describe_job_shows_its_events(kube: KubeStandin, kubeconfig: Pa
     job, other = _job(kube, "w-1"), _job(kube, "w-2")
     kube.create("events", _event(job, "w-1.a", "Created"))
     kube.create("events", _event(other, "w-2.a", "Deleted"))
-    _kubectl(kubeconfig, "patch", "ev", "w-1.a", "-n", NS, "-p", '{"count": 3}')
-    _kubectl(kubeconfig, "patch", "events", "w-1.a", "-n", NS, "--type", "merge", "-p", "{}")
-    described = _kubectl(kubeconfig, "describe", "job", "w-1", "-n", NS)
+    kubectl(kubeconfig, "patch", "ev", "w-1.a", "-n", NS, "-p", '{"count": 3}')
+    kubectl(kubeconfig, "patch", "events", "w-1.a", "-n", NS, "--type", "merge", "-p", "{}")
+    described = kubectl(kubeconfig, "describe", "job", "w-1", "-n", NS)
     events = described.split("Events:", 1)[1]
     assert "Created" in events and "created by the test" in events and "(x3 over" in events
     assert "levers9" in events and "Deleted" not in events
 
-    listed = _kubectl(kubeconfig, "get", "ev", "-n", NS)
+    listed = kubectl(kubeconfig, "get", "ev", "-n", NS)
     assert listed.split()[:5] == ["LAST", "SEEN", "TYPE", "REASON", "OBJECT"]
     assert "job/w-1" in listed and "job/w-2" in listed
-    picked = _kubectl(
+    picked = kubectl(
         kubeconfig, "get", "events", "-n", NS, "--field-selector", "reason=Deleted", "-o", "name"
     )
     assert picked.split() == ["event/w-2.a"]

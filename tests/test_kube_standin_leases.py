@@ -6,7 +6,6 @@ apiserver does), decode MicroTimes as strictly, and enforce RBAC on leases as on
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from sim.kubeapi.store import KubeStandin
+from tests.kubectl import kubectl
 from tests.test_kube_standin_rbac import _binding, _join, _refusal, _role, _rule
 from tests.test_kube_standin_watch import _seen, _stream
 
@@ -200,23 +200,14 @@ def test_kubectl_get_leases_shows_holder_and_age(kube: KubeStandin, kubeconfig: 
         },
     )
 
-    def kubectl(*args: str) -> str:
-        done = subprocess.run(
-            ["kubectl", "--kubeconfig", str(kubeconfig), *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    header, *rows = kubectl("get", "leases", "-n", NS).splitlines()
+    header, *rows = kubectl(kubeconfig, "get", "leases", "-n", NS).splitlines()
     assert header.split() == ["NAME", "HOLDER", "AGE"]
     cells = sorted(row.split() for row in rows)
     # A released Lease has no holder: its HOLDER cell is blank.
     assert [c[:-1] for c in cells] == [["levers9-pool-free"], ["levers9-pool-gpu", "replica-a"]]
     assert all(c[-1].endswith("s") for c in cells)  # AGE, seconds old
-    listed = json.loads(kubectl("get", "lease", "levers9-pool-gpu", "-n", NS, "-o", "json"))
+    listed = json.loads(
+        kubectl(kubeconfig, "get", "lease", "levers9-pool-gpu", "-n", NS, "-o", "json")
+    )
     assert listed["spec"]["holderIdentity"] == "replica-a"
-    assert "leases" in kubectl("api-resources", "--api-group", GROUP)
+    assert "leases" in kubectl(kubeconfig, "api-resources", "--api-group", GROUP)

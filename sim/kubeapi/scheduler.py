@@ -9,13 +9,13 @@ the scheduler's message, each node's first failed check counted. No scoring, no 
 inter-pod affinity.
 
 Requests are counted as the scheduler's `computePodResourceRequest` counts them, written here
-from Kubernetes' rules rather than taken from the controlplane's planner, so that the planner is
-checked against another reading (as `sim.kubelet.pod_gpus` is for cards).
+from Kubernetes' rules rather than taken from the controlplane's planner, so that the planner's
+counting is checked against another reading (as `sim.kubelet.pod_gpus` is for cards); a
+quantity's syntax is read by the planner's `parse_quantity`.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
@@ -23,41 +23,22 @@ from typing import Any
 
 import attrs
 
+from control.kube.planner import QuantityError, parse_quantity
 from sim.kubeapi.model import GPU, Obj
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
-_QUANTITY = re.compile(
-    r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]+))?(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?"
-)
-_SUFFIXES = {
-    None: Fraction(1),
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 1000),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-    "Ki": Fraction(2**10),
-    "Mi": Fraction(2**20),
-    "Gi": Fraction(2**30),
-    "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50),
-    "Ei": Fraction(2**60),
-}
 
 
 def quantity(value: object) -> Fraction:
-    """A resource quantity ("500m", "32Gi", "1e3", 4) as a number; 0 when it does not parse
-    (the apiserver would have refused it; the stand-in does not validate pods)."""
-    match = _QUANTITY.fullmatch(str(value).strip())
-    if match is None:
+    """A resource quantity ("500m", "32Gi", "1e3", 4) as a number, read as the planner reads
+    it (the syntax is Kubernetes'; only the counting rules below are written again); 0 when it
+    does not parse (the apiserver would have refused it; the stand-in does not validate pods)."""
+    if not isinstance(value, (str, int, float)):
         return Fraction(0)
-    number, exponent, suffix = match.groups()
-    scaled = Fraction(number) * _SUFFIXES[suffix]
-    return scaled * Fraction(10) ** int(exponent) if exponent else scaled
+    try:
+        return parse_quantity(value)
+    except QuantityError:
+        return Fraction(0)
 
 
 @attrs.frozen

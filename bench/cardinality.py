@@ -3,7 +3,7 @@
 Anyone who reaches the controlplane's port can send a request, and every request is counted
 in `levers9_api_requests_total` and its latency histogram. If a label took the request's own
 method or path, each new one would be a series for ever: the exposition (and every scrape)
-would grow with what strangers send. So labels come from fixed sets (`agent.wire.untrusted`).
+would grow with what strangers send. So labels come from fixed sets (`wire.untrusted`).
 
 This sends N requests (100,000 by default) without credentials, half with a real method and
 half with a made-up one, each to a random path nobody routes, over a few HTTP/2 connections to
@@ -37,12 +37,12 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.wire.untrusted import METHODS
 from bench.report import Results, publish, ratios_of
 from control.api.server import Controlplane, serve_controlplane
 from control.cli.client import ControlClient, open_control_client
 from control.config import MetricsSettings
 from sim.configs import control_config, make_pki
+from wire.untrusted import METHODS
 
 CONNECTIONS = 4
 IN_FLIGHT = 64

@@ -28,14 +28,14 @@ from pathlib import Path
 import attrs
 import trio
 
-from agent.api.models import ContainerSpec
+from agent.host.cgroups import remove_cgroup
 from agent.runtime.config import ContainerConfig
 from agent.runtime.manager import ContainerManager, open_container_manager
 from agent.runtime.ocispec import write_bundle
-from agent.runtime.runc import remove_cgroup
 from bench.ingest import measure_ingest_vs_cp
 from bench.report import Results, publish, ratios_of
 from sim.registry import busybox_image, push, running_registry
+from workerapi.models import ContainerSpec
 
 QUICK = {"starts": 5, "ingest_bytes": 64 << 20, "ingest_repeats": 2}
 FULL = {"starts": 20, "ingest_bytes": 256 << 20, "ingest_repeats": 3}

@@ -31,16 +31,15 @@ import attrs
 import httpx
 import trio
 
-from agent.api.models import CardInfo, Registration
 from bench.report import Results, publish, ratios_of
 from bench.tunnel import run_until_sigterm
 from control.api.server import Controlplane, serve_controlplane
 from control.config import ControlConfig, parse
-from control.tasks.databases import open_task_store
-from control.tasks.store import Exited, Running, Start, TaskSpec
+from control.tasks.store import Exited, Running, Start, TaskSpec, open_task_store
 from sim.browser import CHROMIUM, spki_pin
 from sim.cluster import cli_environment, free_port, run_cli
 from sim.configs import Pki, make_pki
+from workerapi.models import CardInfo, Registration
 
 PAGE = 50
 TARGET = (

@@ -57,21 +57,21 @@ import attrs
 import psutil
 import trio
 
-from agent.api.models import ContainerSpec
+from agent.host.cgroups import remove_cgroup
 from agent.runtime.config import ContainerConfig
 from agent.runtime.manager import open_container_manager
-from agent.runtime.runc import remove_cgroup
-from agent.wire.allocator import tune_malloc
 from bench.anchors import open_ssh_local_forward, open_sshd, percentile
 from bench.containers import _bare_bundle
 from bench.report import ratios_of, render_sections, write_report
 from bench.tunnel import Terminated, run_until_sigterm
 from control.cli.client import ControlClient, open_control_client
 from control.models import TaskRequest, TaskView
+from proc.malloc import tune_malloc
 from sim.cluster import REPO, Cluster, PoolSpec, open_cluster
 from sim.kubeapi.http import start_kube_standin
 from sim.kubelet import SimNode
 from sim.registry import File, Image, build_image, busybox_image, push, running_registry
+from workerapi.models import ContainerSpec
 
 
 @attrs.frozen

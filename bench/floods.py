@@ -48,12 +48,12 @@ from agent.daemon.config import AgentConfig
 from agent.daemon.register import open_controlplane_tls
 from agent.daemon.run import run_agent
 from agent.daemon.tunnel import upgrade_to_tunnel
-from agent.wire.http2 import PREFACE, Http2Settings
 from bench.report import Results, publish
 from control.api.server import Controlplane, serve_controlplane
 from control.cli.client import open_control_client
 from sim.configs import API_TOKEN, Pki, control_config, make_pki
-from tests.workers import agent_config
+from sim.workers import agent_config
+from wire.http2 import PREFACE, Http2Settings
 
 KINDS = (
     "ping",

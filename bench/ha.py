@@ -45,8 +45,6 @@ import psutil
 import trio
 
 from agent.daemon.config import AgentConfig, TunnelConfig
-from agent.wire.connection import KeepaliveConfig
-from agent.wire.errors import ApiError
 from bench.report import Results, publish
 from bench.tunnel import run_until_sigterm
 from control.cli.client import ControlClient, ControlClientError
@@ -57,6 +55,8 @@ from sim.kubelet import SimNode
 from sim.postgres import PostgresServer, running_postgres
 from sim.registry import busybox_image, push, running_registry
 from sim.replicas import ReplicatedCluster, open_replicated_cluster
+from wire.connection import KeepaliveConfig
+from wire.errors import ApiError
 
 TARGET = (
     "targets: failover_s <= 10 with 1,000 agents; placed_3_vs_1 >= 0.9; "
@@ -122,7 +122,7 @@ def agents_main(spec: str) -> None:
     seed = os.environ[SEED_ENV]
     url, ca = os.environ["LEVERS9_BENCH_HA_URL"], os.environ["LEVERS9_BENCH_HA_CA"]
     os.environ["LEVERS9_LOG_LEVEL"] = "WARNING"
-    from agent.wire.logs import setup_logging
+    from proc.logs import setup_logging
 
     setup_logging("WARNING")
     trio.run(run_until_sigterm, lambda: run_agents(url, ca, seed, int(first), int(count)))

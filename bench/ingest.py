@@ -33,9 +33,9 @@ from pathlib import Path
 
 import trio
 
-from agent.api.digests import DIGEST_PREFIX
 from agent.store.objects import ObjectStore
 from bench.report import Results, publish, ratios_of
+from workerapi.digests import DIGEST_PREFIX
 
 STREAM_CHUNK_BYTES = 1024 * 1024
 """The chunks `ingest()` is fed: the size of the worker API's HTTP/2 frames."""

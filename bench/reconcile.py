@@ -92,7 +92,7 @@ from control.kube.planner import (
 )
 from control.kube.pools import PoolConfig, load_pools
 from control.models import WorkerState
-from control.registry import WorkerRegistry
+from control.workers.registry import WorkerRegistry
 
 BOOKMARK_S = 60.0
 """An apiserver's bookmark interval, about."""

@@ -46,8 +46,6 @@ from typing import TypeVar
 import attrs
 import trio
 
-from agent.wire.allocator import tune_malloc
-from agent.wire.tls import make_self_signed
 from bench.anchors import (
     OpenStream,
     Plan,
@@ -65,6 +63,8 @@ from bench.anchors import (
 from bench.report import render_table, write_report
 from control.api.server import Controlplane, serve_controlplane
 from control.config import ControlConfig, parse
+from proc.malloc import tune_malloc
+from wire.tls import make_self_signed
 
 QUICK_PLAN = Plan(total_bytes=256 << 20, stream_counts=(1, 8), round_trips=2000, connects=50)
 FULL_PLAN = Plan(total_bytes=1 << 30, stream_counts=(1, 8), round_trips=5000, connects=200)

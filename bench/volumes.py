@@ -58,10 +58,10 @@ import boto3
 import trio
 from botocore.config import Config
 
-from agent.api.models import VolumeSpec
 from agent.volumes.supervisor import Volumes
 from bench.report import ratios_of, render_sections, write_report
 from sim.s3 import S3Server, S3User, s3_credentials, start_s3_server
+from workerapi.models import VolumeSpec
 
 QUICK = {"bytes": 64 << 20, "repeats": 2, "large_bytes": 0}
 FULL = {"bytes": 256 << 20, "repeats": 3, "large_bytes": 4 << 30}

@@ -34,11 +34,10 @@ from control.kube.expectations import EXPECTATION_TIMEOUT_S
 from control.kube.loop import PoolReconciler
 from control.kube.planner import GENERATION_LABEL
 from control.kube.pools import load_pools
-from control.registry import WorkerRegistry
+from control.workers.registry import WorkerRegistry
 from sim.kubeapi.http import start_kube_standin
 from sim.kubeapi.store import KubeStandin, WatchFaults
-from tests.test_pool_reconcile import gpu_node, jobs_created, pool_block
-from tests.test_reconcile_faults import schedule_pods_of_jobs
+from sim.pools import gpu_node, jobs_created, pool_block, schedule_pods_of_jobs
 
 LAGS_S = (0.0, 0.8, 3.0, 5.0)
 TARGET = "targets: duplicate_jobs_lag_* = 0 at every lag up to 5 s; stale_detect_periods_* <= 2"

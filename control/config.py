@@ -21,10 +21,10 @@ import attrs
 import cattrs
 import yaml
 
-from agent.api.models import GcsCredentials, S3Credentials
-from agent.wire.admission import ConnectionLimits
-from agent.wire.errors import camel_path, make_converter
-from agent.wire.http2 import Http2Settings
+from wire.admission import ConnectionLimits
+from wire.errors import camel_path, make_converter
+from wire.http2 import Http2Settings
+from workerapi.models import GcsCredentials, S3Credentials
 
 WORKSPACE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
@@ -174,7 +174,7 @@ class TunnelSettings:
 
 @attrs.frozen
 class ConnectionSettings:
-    """Limits on the public endpoint's connections (agent.wire.admission has why the defaults
+    """Limits on the public endpoint's connections (wire.admission has why the defaults
     are what they are): per source address and in total, then the time from the TLS handshake
     to the first request, and how long one with no request open and no PING may stay (null:
     as long as its peer keeps it)."""
@@ -240,7 +240,7 @@ class LeaderElectionSettings:
 
 @attrs.frozen
 class ReplicationSettings:
-    """Several replicas behind one Service (`control.replicas`): each worker is owned by one
+    """Several replicas behind one Service (`control.workers`): each worker is owned by one
     replica at a time (the one holding its tunnel, or for a direct worker the one that took
     it), and a request for it that arrives elsewhere is forwarded ONE hop to the owner over
     HTTP/2 and TLS, authenticated with `secret` (the private values file, or the first line
@@ -363,7 +363,7 @@ def parse(values: Mapping[str, Any]) -> ControlConfig:
     return config
 
 
-# The config's own converter, not the worker API's (`agent.wire.errors.CONVERTER`): the same
+# The config's own converter, not the worker API's (`wire.errors.CONVERTER`): the same
 # rules (camelCase keys as the Helm values spell them, unknown keys refused, so a misspelt
 # setting is an error rather than a default silently kept), a separate instance, so hooks one
 # boundary registers never change how the other reads.

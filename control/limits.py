@@ -19,9 +19,9 @@ import weakref
 
 import attrs
 
-from agent.wire.errors import ApiError, ErrorCode
 from control.config import WorkspaceLimits
 from control.tasks.store import TaskSpec
+from wire.errors import ApiError, ErrorCode
 
 
 def spec_bytes(spec: TaskSpec) -> int:

@@ -11,10 +11,10 @@ import sys
 
 import trio
 
-from agent.wire.errors import ApiError
-from agent.wire.extras import missing_extra
-from agent.wire.logs import setup_logging
 from control.config import ConfigError, ControlConfig, load_files
+from proc.extras import missing_extra
+from proc.logs import setup_logging
+from wire.errors import ApiError
 
 log = logging.getLogger("levers9.control")
 
@@ -23,9 +23,9 @@ async def serve_and_reload(paths: list[str], config: ControlConfig) -> None:
     """Serve; on SIGHUP read the values files again and apply their pools (a removed pool's
     workers are deleted; other settings take effect at the next start); on SIGTERM or SIGINT
     drain (`Controlplane.drain`, for `config.drainS`), then stop."""
-    from agent.wire.admission import raise_open_files_limit
     from control.api.server import serve_controlplane
     from control.kube.pools import load_pools
+    from wire.admission import raise_open_files_limit
 
     raise_open_files_limit(config.connections.max_total)
     async with trio.open_nursery() as nursery:
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"levers9-control: {exc}", file=sys.stderr)
         return 2
-    from agent.wire.allocator import tune_malloc
-    from agent.wire.errors import exception_leaves as _leaves
-    from agent.wire.signals import run_until_signalled
+    from proc.malloc import tune_malloc
+    from proc.signals import run_until_signalled
+    from wire.errors import exception_leaves as _leaves
 
     tune_malloc()
     messages: list[str] = []

@@ -16,7 +16,7 @@ Reading the records is async, and prometheus-client collects synchronously, so a
 reads the states and `refresh`es a `Scrape` with them, then renders. Labels are bounded: route
 patterns, pools, workspaces, modes, states and the four cached resources (nodes, pods, jobs,
 secrets); never a task or worker id, nor a cluster's or cache's own id, and never a value a
-client chose as it came (`agent.wire.untrusted`): an anonymous request on an unknown route
+client chose as it came (`wire.untrusted`): an anonymous request on an unknown route
 with a made-up method is `unmatched` and `other`, one series however many there are.
 """
 
@@ -30,13 +30,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from agent import __version__
-from agent.api.models import WorkerSummary
-from agent.wire.connection import Http2Connection
-from agent.wire.untrusted import method_label, status_label
 from control.kube.informer import RELIST_REASONS, UNUSABLE
 from control.models import MachineList, TaskState
 from control.tasks.store import TaskRecord
+from wire.connection import Http2Connection
+from wire.untrusted import method_label, status_label
+from workerapi import __version__
+from workerapi.models import WorkerSummary
 
 MODES = ("direct", "tunnel")
 CACHES = ("nodes", "pods", "jobs", "secrets")

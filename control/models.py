@@ -1,6 +1,6 @@
 """Wire models of the controlplane's task API, shared by its routes and the `levers9` CLI.
 
-The same conventions as the worker API (`agent.api.models`): attrs classes, camelCase on the wire,
+The same conventions as the worker API (`workerapi.models`): attrs classes, camelCase on the wire,
 unknown keys refused with the field named, one converter. A task is asked for with a
 `TaskRequest` and reported as a `TaskView`: the stored record (`control.tasks.store.TaskRecord`)
 plus what only the running system knows (why a pending task waits, how far its image pull
@@ -13,9 +13,9 @@ Routes (HTTPS, HTTP/2, `Authorization: Bearer <workspace token>`):
 - `GET /v1/tasks[?state=pending,running][&limit=N]` → `TaskList` (newest first)
 - `GET /v1/tasks/{id}` → `TaskView`; `GET /v1/tasks/{id}/wait` → `TaskView` once it has ended
 - `POST /v1/tasks/{id}/cancel` → `TaskView`
-- `GET /v1/tasks/{id}/logs[?follow=true]` → NDJSON of `agent.api.models.LogLine`
+- `GET /v1/tasks/{id}/logs[?follow=true]` → NDJSON of `workerapi.models.LogLine`
 - `POST /v1/tasks/{id}/snapshot` → 201 `TaskSnapshot`
-- WebSocket (RFC 8441) `/v1/tasks/{id}/exec`: the worker's exec protocol (`agent.api.exec`), relayed
+- WebSocket (RFC 8441) `/v1/tasks/{id}/exec`: the worker's exec protocol (`workerapi.exec`), relayed
 - `CONNECT <task id>:<port>`: a byte stream to that port of the task's container (box port)
 - any method on `/v1/tasks/{id}/ports/{port}/<path>`: HTTP to a declared port (endpoint)
 
@@ -41,7 +41,7 @@ import enum
 
 import attrs
 
-from agent.api.models import PullStatus, WorkerSummary
+from workerapi.models import PullStatus, WorkerSummary
 
 
 class TaskState(enum.StrEnum):

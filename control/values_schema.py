@@ -41,7 +41,6 @@ from typing import Any
 
 import attrs
 
-from agent.wire.errors import camel_path
 from control.config import ControlConfig, WorkerSettings
 from control.kube.pools import (
     ClientCertificateCredentials,
@@ -54,6 +53,7 @@ from control.kube.pools import (
     TokenCredentials,
     Toleration,
 )
+from wire.errors import camel_path
 
 __all__ = ["SCHEMA_PATH", "main", "render", "secret_paths", "values_schema"]
 

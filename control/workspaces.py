@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 import attrs
 
-from agent.api.models import RegistryAuth, VolumeSpec
-from agent.api.reference import parse_reference
-from agent.wire.errors import ApiError, ErrorCode
 from control.config import WorkspaceConfig, WorkspaceLimits
 from control.models import TaskVolume
+from wire.errors import ApiError, ErrorCode
+from workerapi.models import RegistryAuth, VolumeSpec
+from workerapi.reference import parse_reference
 
 
 class Workspaces:

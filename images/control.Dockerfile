@@ -16,6 +16,9 @@ RUN python3 -m venv /opt/levers9
 ENV PATH=/opt/levers9/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY wire wire
+COPY workerapi workerapi
+COPY proc proc
 COPY agent agent
 COPY control control
 COPY nvml nvml

@@ -31,7 +31,7 @@ import trio
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from agent.wire.service import splice
+from wire.service import splice
 
 CHROMIUM = "/usr/bin/chromium"
 _CLONE_NEWNET = 0x40000000

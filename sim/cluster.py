@@ -30,13 +30,13 @@ from typing import Any
 import attrs
 import trio
 
-from agent.wire.errors import ApiError
 from control.api.server import Controlplane, serve_controlplane
 from control.cli.client import ControlClient, open_control_client
 from control.config import ControlConfig, parse
 from sim.configs import Pki, make_pki
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import Runtime, SimNode, SimulatedKubelet
+from wire.errors import ApiError
 
 REPO = Path(__file__).resolve().parents[1]
 POOL_LABEL = "levers9.dev/demo-pool"

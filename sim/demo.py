@@ -39,13 +39,13 @@ from pathlib import Path
 
 import trio
 
-from agent.wire.errors import ApiError
-from agent.wire.logs import setup_logging
 from control.cli.client import ControlClient
+from proc.logs import setup_logging
 from sim.cluster import POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
 from sim.kubeapi.http import start_kube_standin
 from sim.kubelet import SimNode
 from sim.registry import busybox_image, running_registry
+from wire.errors import ApiError
 
 DIRECT_NODE = "gpu-node-a"
 TUNNEL_NODE = "gpu-node-b"

@@ -40,8 +40,8 @@ import boto3
 import trustme
 from botocore.config import Config
 
-from agent.api.models import S3Credentials
 from sim.registry import stop_process
+from workerapi.models import S3Credentials
 
 REGION = "us-east-1"
 PIECE_BYTES = 1 << 20

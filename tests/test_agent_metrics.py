@@ -20,7 +20,6 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.api.models import CardInfo, ContainerSpec
 from agent.daemon.config import ConfigError, MetricsConfig, load_config
 from agent.daemon.metrics import (
     AgentCollector,
@@ -34,12 +33,13 @@ from agent.daemon.run import run_agent
 from agent.runtime.config import ContainerConfig
 from agent.runtime.records import ContainerState
 from agent.store.objects import ObjectStore, StoreStatistics
-from agent.wire.metrics import render
 from control.api.server import Controlplane, serve_controlplane
 from nvml import Readings
 from nvml.standin import StandinProcess, nvlinked_node, standin_device
 from sim.configs import control_config, make_pki
-from tests.workers import agent_config
+from sim.workers import agent_config
+from wire.metrics import render
+from workerapi.models import CardInfo, ContainerSpec
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import DescribeNode

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from agent.wire.allocator import is_glibc, operator_set
+from proc.malloc import is_glibc, operator_set
 
 pytestmark = pytest.mark.skipif(not is_glibc(), reason="the thresholds are glibc's")
 
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(not is_glibc(), reason="the thresholds are glibc
 # over; the page faults of the last 64 MiB, once warm, are printed per MiB.
 RECEIVE = """
 import os, resource, sys
-from agent.wire.allocator import tune_malloc
-from agent.wire.http2 import Http2Protocol
+from proc.malloc import tune_malloc
+from wire.http2 import Http2Protocol
 
 if sys.argv[1] == "tuned":
     assert tune_malloc(), "nothing was set"

@@ -11,11 +11,11 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.client import WorkerClient, open_worker_client
 from agent.daemon.routes import WorkerState, build_router
-from agent.wire.connection import Http2Connection
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import ConnectPolicy, Request, Router, Service, bearer_auth
+from wire.connection import Http2Connection
+from wire.errors import ApiError, ErrorCode
+from wire.service import ConnectPolicy, Request, Router, Service, bearer_auth
+from workerapi.client import WorkerClient, open_worker_client
 
 TOKEN = "s3cr3t-token"
 

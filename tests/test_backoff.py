@@ -1,4 +1,4 @@
-"""Tests for agent.wire.backoff: the reconnect policy."""
+"""Tests for wire.backoff: the reconnect policy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.wire.backoff import (
+from wire.backoff import (
     Backoff,
     BackoffState,
     next_delay,

@@ -19,18 +19,10 @@ from control.kube.caches import Clusters
 from control.kube.loop import PoolReconciler
 from control.kube.pools import load_pools
 from control.metrics import ControlMetrics
-from control.registry import WorkerRegistry
+from control.workers.registry import WorkerRegistry
 from sim.kubeapi.store import KubeStandin, WatchFaults
-from tests.test_pool_reconcile import (
-    CONTROLPLANE_URL,
-    Clock,
-    cards,
-    gpu_node,
-    jobs_created,
-    pool_block,
-    run_pods_of_jobs,
-    until,
-)
+from sim.pools import gpu_node, jobs_created, pool_block
+from tests.test_pool_reconcile import CONTROLPLANE_URL, Clock, cards, run_pods_of_jobs, until
 
 pytest_plugins = ["tests.kube_fixtures"]
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from agent.api.models import ContainerSpec
 from agent.runtime.manager import ContainerManager, open_container_manager
 from agent.store.objects import ObjectStore
 from control.tasks.dispatch import NOT_FOLLOWED
@@ -31,6 +30,7 @@ from sim.chaos.invariants import (
     task_ends,
 )
 from tests.test_containers import state_config
+from workerapi.models import ContainerSpec
 
 if TYPE_CHECKING:
     from tests.registry_fixtures import SharedRegistry

@@ -28,7 +28,6 @@ import pytest
 import trustme
 import yaml
 
-from agent.wire.errors import camel_path
 from control.config import ConfigError, ControlConfig, merge, parse
 from control.kube.pools import load_pools
 from control.values_schema import SCHEMA_PATH, render, secret_paths
@@ -45,6 +44,7 @@ from tests.test_chart import (
     refused,
 )
 from tests.test_pools import EKS_CREDS, ca_pem, gke_block, rsa_pem, sa_key
+from wire.errors import camel_path
 
 REPO = Path(__file__).resolve().parents[1]
 REGENERATE = ".venv/bin/python -m control.values_schema"

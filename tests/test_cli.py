@@ -1,7 +1,7 @@
 """`levers9` on the user's side: option parsing and formatting (pure), and the commands
 against a stand-in controlplane.
 
-The stand-in is the real `agent.wire.service.Service` with scripted task routes
+The stand-in is the real `wire.service.Service` with scripted task routes
 (`FakeControlplane`); it serves HTTP/2 over TLS on loopback with a CA made here, so
 `main(argv)` runs exactly as a user's `levers9` does (in a thread, as its own `trio.run`).
 The real controlplane's task API is covered by its own tests; here only the CLI's behaviour
@@ -26,14 +26,6 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.exec import parse_request, unframe
-from agent.api.models import ExecExit, ExecRequest, LogLine, PullStatus
-from agent.wire.client import open_api_client
-from agent.wire.connection import Http2Connection
-from agent.wire.errors import ApiError, ErrorCode, dumps, loads, unstructure
-from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
-from agent.wire.service import JsonResponse, Request, Router, Service, StreamResponse, bearer_auth
-from agent.wire.tls import TLSStream
 from control.api.server import machine_list
 from control.cli.client import ControlClient, ControlClientError, open_control_client
 from control.cli.exec import FdReader, exec_session
@@ -74,6 +66,14 @@ from control.models import (
     WorkerState,
 )
 from sim.configs import make_pki
+from wire.client import open_api_client
+from wire.connection import Http2Connection
+from wire.errors import ApiError, ErrorCode, dumps, loads, unstructure
+from wire.h2websocket import H2WebSocket, WebSocketClosed
+from wire.service import JsonResponse, Request, Router, Service, StreamResponse, bearer_auth
+from wire.tls import TLSStream
+from workerapi.exec import parse_request, unframe
+from workerapi.models import ExecExit, ExecRequest, LogLine, PullStatus
 
 TOKEN = "cli-test-token-0123456789"
 DIGEST = "sha256:" + "ab" * 32

@@ -18,7 +18,6 @@ import pytest
 import trustme
 from kubernetes import client as k8s
 
-from agent.wire.errors import ErrorCode
 from control.kube.adapter import (
     KubeAuthError,
     KubeError,
@@ -42,6 +41,7 @@ from control.kube.pools import load_pools
 from sim.cluster import OWN_NAMESPACE, POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
+from wire.errors import ErrorCode
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten
@@ -317,7 +317,7 @@ async def test_a_joined_pool_block_is_refused_with_the_field_named(
         ) as cluster,
         cluster.client("operator") as client,
     ):
-        from agent.wire.errors import ApiError
+        from wire.errors import ApiError
 
         block = pool_block(
             name="gpus",

@@ -16,15 +16,15 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.client import WorkerClient, open_worker_client
 from agent.daemon.config import AgentConfig
 from agent.daemon.routes import WorkerState
 from agent.daemon.run import build_service
-from agent.wire.client import ApiClient, open_api_client
-from agent.wire.connection import Http2Connection
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import Router, Service, bearer_auth, splice
 from tests.streams import exchange
+from wire.client import ApiClient, open_api_client
+from wire.connection import Http2Connection
+from wire.errors import ApiError, ErrorCode
+from wire.service import Router, Service, bearer_auth, splice
+from workerapi.client import WorkerClient, open_worker_client
 
 TOKEN = "early-s3cr3t-token"
 

@@ -18,13 +18,9 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.client import WorkerClient, open_worker_client
 from agent.daemon.config import AgentConfig, ConfigError, load_config
 from agent.daemon.routes import WorkerState
 from agent.daemon.run import build_service
-from agent.wire.connection import Http2Connection
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import Router
 from control.api.endpoints import EndpointProxy
 from control.api.tasks import add_task_routes, undeclared_port
 from control.kube.planner import PoolSettings, job_manifest, job_name, token_secret_name
@@ -32,6 +28,10 @@ from control.models import TaskState
 from control.tasks.dispatch import Dispatcher
 from control.tasks.store import TaskRecord, TaskSpec
 from tests.streams import exchange
+from wire.connection import Http2Connection
+from wire.errors import ApiError, ErrorCode
+from wire.service import Router
+from workerapi.client import WorkerClient, open_worker_client
 
 TOKEN = "worker-s3cr3t-token"
 

@@ -19,7 +19,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from agent.wire.connection import (
+from wire.connection import (
     WRITES_PER_TURN,
     ConnectionLost,
     H2ByteStream,
@@ -30,7 +30,7 @@ from agent.wire.connection import (
     StreamRefused,
     header_value,
 )
-from agent.wire.http2 import Http2Settings
+from wire.http2 import Http2Settings
 
 Handler = Callable[[H2Stream], Awaitable[None]]
 MiB = 1024 * 1024

@@ -26,12 +26,16 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.client import WorkerClient
 from agent.daemon.config import AgentConfig, load_config
 from agent.daemon.direct import serve_direct
 from agent.daemon.routes import WorkerState
 from agent.daemon.run import build_service, run_agent
-from agent.wire.admission import (
+from control.api.server import Controlplane, connection_limits, serve_controlplane
+from control.config import ConfigError, ConnectionSettings, parse
+from control.models import WorkerList
+from sim.configs import API_TOKEN, WORKER_TOKENS, Pki, control_config, make_pki
+from sim.workers import agent_config
+from wire.admission import (
     MANY_SOURCES,
     Admission,
     Admissions,
@@ -41,15 +45,11 @@ from agent.wire.admission import (
     plan_open_files,
     source_address,
 )
-from agent.wire.client import ApiClient, open_api_client
-from agent.wire.connection import H2Stream, Http2Connection, KeepaliveConfig
-from agent.wire.http2 import PREFACE
-from agent.wire.tls import TLSStream, make_self_signed, pinned_client_context
-from control.api.server import Controlplane, connection_limits, serve_controlplane
-from control.config import ConfigError, ConnectionSettings, parse
-from control.models import WorkerList
-from sim.configs import API_TOKEN, WORKER_TOKENS, Pki, control_config, make_pki
-from tests.workers import agent_config
+from wire.client import ApiClient, open_api_client
+from wire.connection import H2Stream, Http2Connection, KeepaliveConfig
+from wire.http2 import PREFACE
+from wire.tls import TLSStream, make_self_signed, pinned_client_context
+from workerapi.client import WorkerClient
 
 FLOOD_SOURCES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 GOAWAY = 0x7

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from agent.api.models import ContainerSpec, ContainerStatus, VolumeSpec
 from agent.runtime.config import ContainerConfig
 from agent.runtime.manager import ContainerManager, open_container_manager
-from agent.wire.errors import ApiError, ErrorCode
 from sim.s3 import s3_credentials
+from wire.errors import ApiError, ErrorCode
+from workerapi.models import ContainerSpec, ContainerStatus, VolumeSpec
 
 if TYPE_CHECKING:
     from sim.s3 import S3Server

@@ -24,9 +24,29 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.client import WorkerClient, open_worker_client
-from agent.api.exec import run_exec
-from agent.api.models import (
+from agent.daemon.routes import WorkerState, build_router
+from agent.daemon.run import idle_for, run_agent
+from agent.gpus.claim import Card, CardState, Claim, GpuConfig
+from agent.gpus.edits import discover_node_files
+from agent.gpus.ledger import CardLedger
+from agent.host.cgroups import read_cgroup_limits
+from agent.runtime.config import ContainerConfig
+from agent.runtime.manager import ContainerManager, open_container_manager
+from agent.runtime.records import ContainerRecord, Gpus
+from agent.runtime.rootfs import overlay_mounts_under
+from agent.runtime.routes import add_container_routes, resolve_container
+from control.api.server import Controlplane, serve_controlplane
+from sim.configs import control_config, make_pki, read_line
+from sim.registry import Image, push_layer_tars
+from sim.workers import agent_config
+from tests.leftovers import assert_nothing_left
+from tests.netns_hosts import open_test_host, policy_route, probe, serve
+from wire.connection import Http2Connection
+from wire.errors import ApiError, ErrorCode, dumps, loads
+from wire.service import Service, bearer_auth
+from workerapi.client import WorkerClient, open_worker_client
+from workerapi.exec import run_exec
+from workerapi.models import (
     ContainerSpec,
     ContainerStatus,
     ExecRequest,
@@ -35,26 +55,6 @@ from agent.api.models import (
     Resources,
     SnapshotInfo,
 )
-from agent.daemon.routes import WorkerState, build_router
-from agent.daemon.run import idle_for, run_agent
-from agent.gpus.claim import Card, CardState, Claim, GpuConfig
-from agent.gpus.edits import discover_node_files
-from agent.gpus.ledger import CardLedger
-from agent.runtime.config import ContainerConfig
-from agent.runtime.manager import ContainerManager, open_container_manager
-from agent.runtime.records import ContainerRecord, Gpus
-from agent.runtime.rootfs import overlay_mounts_under
-from agent.runtime.routes import add_container_routes, resolve_container
-from agent.runtime.runc import read_cgroup_limits
-from agent.wire.connection import Http2Connection
-from agent.wire.errors import ApiError, ErrorCode, dumps, loads
-from agent.wire.service import Service, bearer_auth
-from control.api.server import Controlplane, serve_controlplane
-from sim.configs import control_config, make_pki, read_line
-from sim.registry import Image, push_layer_tars
-from tests.leftovers import assert_nothing_left
-from tests.netns_hosts import open_test_host, policy_route, probe, serve
-from tests.workers import agent_config
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import MakeDevDir
@@ -583,7 +583,7 @@ _AGENT = textwrap.dedent(
     from pathlib import Path
     from agent.runtime.config import ContainerConfig
     from agent.runtime.manager import open_container_manager
-    from agent.api.models import ContainerSpec
+    from workerapi.models import ContainerSpec
 
     async def main():
         config = ContainerConfig(

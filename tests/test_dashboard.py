@@ -25,7 +25,8 @@ from sim.browser import open_browser_network, spki_pin
 from sim.cluster import Cluster, free_port, open_node_cluster
 from sim.configs import API_TOKEN
 from sim.kubeapi.store import KubeStandin
-from tests.test_pool_reconcile import gpu_node, serve_pool
+from sim.pools import gpu_node
+from tests.test_pool_reconcile import serve_pool
 from tests.test_reconcile_faults import JOBS, refuse_creates
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts

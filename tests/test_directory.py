@@ -1,4 +1,4 @@
-"""Who owns which worker, in the task database (`control.replicas.directory`): one suite run on
+"""Who owns which worker, in the task database (`control.workers.directory`): one suite run on
 both backends, SQLite and a real PostgreSQL 15. Two replicas never both hold a worker; a lapsed
 claim is taken, a forced one (a tunnel that landed) always; tokens are kept only as hashes."""
 
@@ -11,9 +11,9 @@ import pytest
 import trio
 
 from control.config import DatabaseSettings
-from control.registry import Replication, WorkerRegistry
-from control.replicas.directory import Directory, OwnerAddress, token_hash
-from control.tasks.databases import open_task_store
+from control.tasks.store import open_task_store
+from control.workers.directory import Directory, OwnerAddress, token_hash
+from control.workers.registry import Replication, WorkerRegistry
 
 pytest_plugins = ["tests.postgres_fixtures"]
 

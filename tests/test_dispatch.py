@@ -17,13 +17,9 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.models import ContainerStatus, LogLine
-from agent.wire.errors import ApiError, ErrorCode, dumps, loads
-from agent.wire.service import Request, Router
 from control.api.tasks import add_task_routes, query_limit, query_states, spec_of, workspace_of
+from control.db.base import TaskStoreError
 from control.models import TaskRequest, TaskState, TaskView
-from control.registry import WorkerEntry, WorkerRegistry
-from control.tasks.databases import open_task_store
 from control.tasks.dispatch import (
     CLEANUP_S,
     STOP_GRACE_S,
@@ -53,9 +49,13 @@ from control.tasks.store import (
     TaskRecord,
     TaskSpec,
     TaskStore,
-    TaskStoreError,
+    open_task_store,
 )
+from control.workers.registry import WorkerEntry, WorkerRegistry
 from control.workspaces import Workspaces
+from wire.errors import ApiError, ErrorCode, dumps, loads
+from wire.service import Request, Router
+from workerapi.models import ContainerStatus, LogLine
 
 NOW = 1_000.0
 

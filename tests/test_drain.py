@@ -26,7 +26,7 @@ from control.api.server import Controlplane, serve_controlplane
 from control.config import DatabaseSettings
 from control.tasks.store import TaskSpec
 from sim.configs import API_TOKEN, Pki, control_config, make_pki
-from tests.workers import agent_config
+from sim.workers import agent_config
 
 pytest_plugins = ["tests.postgres_fixtures"]
 

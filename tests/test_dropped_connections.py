@@ -19,10 +19,10 @@ import trio
 import trio.lowlevel
 
 from agent.daemon.run import run_agent
-from agent.wire.http2 import PREFACE
 from control.api.server import Controlplane, serve_controlplane
 from sim.configs import Pki, control_config, make_pki
-from tests.workers import agent_config
+from sim.workers import agent_config
+from wire.http2 import PREFACE
 
 STAGES = ["at-once", "reset-after-tls", "after-preface"]
 

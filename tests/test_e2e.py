@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from agent.api.models import ExecRequest
-from agent.wire.errors import ApiError, ErrorCode
 from control.cli.client import ControlClient
 from control.models import TaskRequest, TaskView, TaskVolume
 from sim.cluster import Cluster, PoolSpec, open_cluster, open_node_cluster
@@ -25,6 +23,8 @@ from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from sim.s3 import S3Server
 from tests.streams import exchange
+from wire.errors import ApiError, ErrorCode
+from workerapi.models import ExecRequest
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten

@@ -183,7 +183,7 @@ async def wait_waiting(client: ControlClient, task_id: str, reason: str) -> Task
 
 
 def _exec(command: str):  # type: ignore[no-untyped-def]
-    from agent.api.models import ExecRequest
+    from workerapi.models import ExecRequest
 
     return ExecRequest(command=("sh", "-c", command))
 

@@ -18,19 +18,6 @@ import pytest
 import trio
 import trio.testing
 
-from agent.wire.client import ApiClient, open_api_client
-from agent.wire.connection import Headers, Http2Connection, header_value
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.http2 import Http2Settings
-from agent.wire.service import (
-    BytesResponse,
-    ConnectPolicy,
-    Request,
-    Router,
-    Service,
-    StreamResponse,
-    bearer_auth,
-)
 from control.api import endpoints
 from control.api.endpoints import (
     DEFAULT_CONTENT_TYPE,
@@ -44,6 +31,19 @@ from control.api.endpoints import (
     upstream_target,
 )
 from control.ui.session import COOKIE
+from wire.client import ApiClient, open_api_client
+from wire.connection import Headers, Http2Connection, header_value
+from wire.errors import ApiError, ErrorCode
+from wire.http2 import Http2Settings
+from wire.service import (
+    BytesResponse,
+    ConnectPolicy,
+    Request,
+    Router,
+    Service,
+    StreamResponse,
+    bearer_auth,
+)
 
 TOKEN = "controlplane-s3cr3t"
 AUTHORITY = "t-1.endpoints.example.com"

@@ -14,10 +14,10 @@ import h2.errors
 import pytest
 import trio
 
-from agent.wire.http2 import Http2Settings
 from bench.floods import LIMIT_OF, TARGETS, attacker_context, flood, open_targets, rss_mb
 from control.api.server import Controlplane, serve_controlplane
 from sim.configs import control_config, make_pki
+from wire.http2 import Http2Settings
 
 ErrorCodes = h2.errors.ErrorCodes
 

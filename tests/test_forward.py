@@ -1,4 +1,4 @@
-"""The one hop between replicas (`control.replicas.forward`), over in-memory HTTP/2
+"""The one hop between replicas (`control.workers.forward`), over in-memory HTTP/2
 connections: a client (the replica that got the request) → the owner (`serve_forwarded`) → the
 worker's API (a real `Service`). Whatever the worker API answers arrives unchanged: JSON,
 errors, a streamed body as it is written, a request body, plain CONNECT, and resets both ways;
@@ -16,10 +16,10 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.client import WorkerClient
-from agent.wire.connection import H2Stream, Http2Connection
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import (
+from control.workers.forward import WORKER_HEADER, is_forwarded, serve_forwarded
+from wire.connection import H2Stream, Http2Connection
+from wire.errors import ApiError, ErrorCode
+from wire.service import (
     JsonResponse,
     Request,
     Router,
@@ -27,7 +27,7 @@ from agent.wire.service import (
     StreamResponse,
     bearer_auth,
 )
-from control.replicas.forward import WORKER_HEADER, is_forwarded, serve_forwarded
+from workerapi.client import WorkerClient
 
 SECRET = "replica-secret-0123456789abcdef"
 WORKER_TOKEN = "worker-token-0123456789"

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from agent.api.models import ContainerSpec
 from agent.gpus.allocator import Allocation, choose_cards
 from agent.gpus.claim import CardState, Claim, GpuConfig, claim_cards_blocking
 from agent.gpus.edits import discover_node_files
@@ -37,6 +36,7 @@ from agent.runtime.config import ContainerConfig
 from agent.runtime.manager import open_container_manager
 from agent.runtime.records import Gpus
 from nvml import Link, open_nvml
+from workerapi.models import ContainerSpec
 
 if TYPE_CHECKING:
     from tests.registry_fixtures import SharedRegistry

@@ -31,7 +31,7 @@ from hyperframe.frame import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.wire.http2 import HeaderListTooLarge, Http2Protocol, Http2Settings, ProtocolViolation
+from wire.http2 import HeaderListTooLarge, Http2Protocol, Http2Settings, ProtocolViolation
 
 ErrorCodes = h2.errors.ErrorCodes
 MiB = 1024 * 1024

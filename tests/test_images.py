@@ -19,7 +19,6 @@ import httpx
 import pytest
 import trio
 
-from agent.api.reference import DOCKER_HUB, ImageReference, registry_scheme
 from agent.runtime.images.auth import Challenge, RegistryCredentials, parse_challenges
 from agent.runtime.images.manifests import (
     DOCKER_LAYER_GZIP,
@@ -36,7 +35,6 @@ from agent.runtime.images.manifests import (
 )
 from agent.runtime.images.puller import ImagePuller, PullProgress
 from agent.store.objects import ObjectStore
-from agent.wire.errors import ApiError, ErrorCode
 from sim.registry import (
     MULTI_PLATFORMS,
     File,
@@ -50,6 +48,8 @@ from sim.registry import (
     push,
     push_layer_tars,
 )
+from wire.errors import ApiError, ErrorCode
+from workerapi.reference import DOCKER_HUB, ImageReference, registry_scheme
 
 if TYPE_CHECKING:
     from tests.registry_fixtures import AuthRegistry, RegistryFactory, SharedRegistry

@@ -15,7 +15,6 @@ import pytest
 import trio
 import trio.testing
 
-from agent.wire.errors import ErrorCode
 from control.kube.adapter import Collection, KubeError, KubeExpired, Page
 from control.kube.informer import (
     EMPTY_WATCHES,
@@ -28,6 +27,7 @@ from control.kube.informer import (
     WatchEvent,
     WatchHealth,
 )
+from wire.errors import ErrorCode
 
 
 def pod(name: str, node: str, version: int, phase: str = "Running") -> dict[str, Any]:

@@ -26,8 +26,6 @@ import urllib3
 from google.auth.transport.requests import Request
 from kubernetes.client.exceptions import ApiException
 
-from agent.wire.backoff import BackoffState
-from agent.wire.errors import ErrorCode
 from control.kube.adapter import (
     RETRY,
     RETRY_ATTEMPTS,
@@ -56,6 +54,8 @@ from control.kube.adapter import (
 from control.kube.pools import EksCredentials, GkeCredentials, PoolConfig, load_pools
 from sim.kubeapi.store import KubeStandin
 from tests.test_pools import EKS_CREDS, ca_pem, gke_block, rsa_pem, sa_key
+from wire.backoff import BackoffState
+from wire.errors import ErrorCode
 
 pytest_plugins = ["tests.kube_fixtures"]
 

@@ -28,9 +28,10 @@ from sim.kubeapi.patches import strategic_merge_patch
 from sim.kubeapi.scheduler import Unschedulable, pick_node
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
+from sim.pools import gpu_node
 from tests.kubectl import kubectl
 from tests.test_kubelet import needs_root, open_cluster, uuids
-from tests.test_pool_reconcile import gpu_node, gpu_request, reconciler, until
+from tests.test_pool_reconcile import gpu_request, reconciler, until
 
 pytest_plugins = ["tests.kube_fixtures"]
 

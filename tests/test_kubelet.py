@@ -19,7 +19,6 @@ import attrs
 import pytest
 import trio
 
-from agent.api.models import WorkerInfo
 from control.api.server import Controlplane, serve_controlplane
 from control.kube.planner import (
     CreateJob,
@@ -44,6 +43,7 @@ from sim.kubelet import (
     pod_gpus,
     resolve_env,
 )
+from workerapi.models import WorkerInfo
 
 pytest_plugins = ["tests.kube_fixtures"]
 

@@ -33,7 +33,7 @@ from agent.runtime.layers import (
 )
 from agent.runtime.snapshots import write_layer
 from agent.store.objects import ObjectStore
-from agent.wire.errors import ErrorCode
+from wire.errors import ErrorCode
 
 pytestmark = [
     pytest.mark.root,

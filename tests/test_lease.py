@@ -50,7 +50,8 @@ from control.kube.pools import load_pools
 from sim.cluster import OWN_NAMESPACE, controlplane_pod, grant_leases
 from sim.configs import API_TOKEN, control_config, make_pki
 from sim.kubeapi.store import KubeStandin
-from tests.test_pool_reconcile import gpu_node, jobs_created, pool_block, run_pods_of_jobs, until
+from sim.pools import gpu_node, jobs_created, pool_block
+from tests.test_pool_reconcile import run_pods_of_jobs, until
 
 pytest_plugins = ["tests.kube_fixtures"]
 

@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from agent.wire.logs import JsonFormatter, RecentLogs, TextFormatter
+from proc.logs import JsonFormatter, RecentLogs, TextFormatter
 
 
 def _record(**fields: object) -> logging.LogRecord:

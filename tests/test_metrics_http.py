@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.wire.metrics import (
+from wire.metrics import (
     MAX_CONNECTIONS_PER_SOURCE,
     MAX_HEAD_BYTES,
     answer,

@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.api.client import WorkerClient
-from agent.api.models import Registration
 from agent.daemon.config import AgentConfig
 from agent.daemon.register import failure_reason, register_once
 from agent.daemon.run import run_agent
-from agent.wire.client import WorkerUnavailable
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.tls import PinMismatchError, TLSStream, make_self_signed, server_context
-from agent.wire.wsstream import WebSocketStream
 from control.api.server import Controlplane, serve_controlplane
 from sim.configs import WORKER_TOKENS, Pki, control_config, make_pki
+from sim.workers import agent_config
 from tests.hash_service import check_through_hash_service, open_hash_service
-from tests.workers import agent_config
+from wire.client import WorkerUnavailable
+from wire.errors import ApiError, ErrorCode
+from wire.tls import PinMismatchError, TLSStream, make_self_signed, server_context
+from wire.wsstream import WebSocketStream
+from workerapi.client import WorkerClient
+from workerapi.models import Registration
 
 MODES = ["direct", "tunnel"]
 
@@ -430,7 +430,7 @@ async def test_a_request_posing_as_another_replicas_is_refused(
     with the replica secret: an operator's token, the worker's own, or any token at all on a
     controlplane that has no replica secret, is refused before the worker is asked."""
     from control.cli.client import open_control_client
-    from control.replicas.forward import WORKER_HEADER
+    from control.workers.forward import WORKER_HEADER
     from sim.configs import API_TOKEN
 
     control, worker_id = worker
@@ -459,7 +459,7 @@ async def test_a_tunnel_that_closes_before_http2_starts_leaves_the_controlplane_
     import base64
     import struct
 
-    from agent.wire.tls import verifying_client_context
+    from wire.tls import verifying_client_context
 
     context = verifying_client_context(cafile=str(pki.ca_file), alpn=("http/1.1",))
     key = base64.b64encode(os.urandom(16)).decode()

@@ -33,7 +33,6 @@ from agent.runtime.network import (
     subnet_of_ifname,
     uplink_mtu,
 )
-from agent.wire.errors import ErrorCode
 from tests.netns_hosts import (
     node_addresses,
     open_test_host,
@@ -45,6 +44,7 @@ from tests.netns_hosts import (
     sh,
     table_names,
 )
+from wire.errors import ErrorCode
 
 TEST_PREFIX = "l9q"
 TEST_POOL = "169.254.96.0/22"

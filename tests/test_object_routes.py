@@ -11,15 +11,15 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.client import WorkerClient, open_worker_client
-from agent.api.digests import DIGEST_PREFIX
 from agent.daemon.routes import WorkerState, build_router
 from agent.store.objects import ObjectStore
 from agent.store.routes import add_object_routes
-from agent.wire.client import WorkerUnavailable
-from agent.wire.connection import Http2Connection, StreamError
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import Service, bearer_auth
+from wire.client import WorkerUnavailable
+from wire.connection import Http2Connection, StreamError
+from wire.errors import ApiError, ErrorCode
+from wire.service import Service, bearer_auth
+from workerapi.client import WorkerClient, open_worker_client
+from workerapi.digests import DIGEST_PREFIX
 
 TOKEN = "objects-token-0123456789"
 MIB = 1 << 20

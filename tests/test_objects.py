@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.api.digests import DIGEST_PREFIX, DigestMismatch, parse_digest
 from agent.store.objects import (
     BATCH_BYTES,
     ObjectCorrupt,
@@ -28,7 +27,8 @@ from agent.store.objects import (
     plan_eviction,
     temp_is_stale,
 )
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
+from workerapi.digests import DIGEST_PREFIX, DigestMismatch, parse_digest
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

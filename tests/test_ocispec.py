@@ -22,7 +22,7 @@ from agent.runtime.ocispec import (
     oci_config,
     write_bundle,
 )
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
 
 DOCKER_CAPS = {
     "CAP_CHOWN",

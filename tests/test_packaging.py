@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from agent.daemon import cli as agent_cli
-from agent.wire.extras import extra_requirements
 from control import main as control_main
+from proc.extras import extra_requirements
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,6 @@ import trio
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from agent.wire.errors import ErrorCode
 from control.api.server import machine_list
 from control.cli.main import main as cli_main
 from control.kube.adapter import KubeRefused, Operation, translate_api_exception
@@ -39,9 +38,11 @@ from sim.configs import API_TOKEN
 from sim.kubeapi.model import KubeError
 from sim.kubeapi.podsecurity import Policy, violations
 from sim.kubeapi.store import KubeStandin
+from sim.pools import gpu_node
 from tests.test_chart import in_cluster_pool, of_kind, public_values, render
 from tests.test_kube import _api_exception
-from tests.test_pool_reconcile import gpu_node, serve_pool, until
+from tests.test_pool_reconcile import serve_pool, until
+from wire.errors import ErrorCode
 
 pytest_plugins = ["tests.kube_fixtures"]
 

@@ -29,35 +29,15 @@ from control.cli.main import main as cli_main
 from control.kube.caches import Clusters
 from control.kube.loop import PoolReconciler
 from control.kube.pools import load_pools
-from control.registry import WorkerRegistry
+from control.workers.registry import WorkerRegistry
 from sim.configs import API_TOKEN, Pki, control_config, make_pki
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
+from sim.pools import gpu_node, jobs_created, pool_block
 
 pytest_plugins = ["tests.kube_fixtures"]
 
 CONTROLPLANE_URL = "https://levers9.example.test:8443"
-
-
-def pool_block(kube: KubeStandin, **kubernetes: Any) -> dict[str, Any]:
-    return {
-        "name": "gpu",
-        "provider": "kubernetes",
-        "kubernetes": {
-            "flavor": "generic",
-            "endpoint": kube.url,
-            "caData": base64.b64encode(kube.ca_pem).decode(),
-            "credentials": {"token": kube.token},
-            "image": "registry.example.test/levers9/worker:1",
-            "selector": {"levers9.dev/test-pool": "gpu"},
-            **kubernetes,
-        },
-    }
-
-
-def gpu_node(name: str, gpus: int = 4, **kw: Any) -> dict[str, Any]:
-    labels = {"levers9.dev/test-pool": "gpu", **kw.pop("labels", {})}
-    return make_node(name, gpus=gpus, labels=labels, **kw)
 
 
 class Clock:
@@ -107,14 +87,6 @@ def cards(r: PoolReconciler) -> tuple[int, int, int]:
 def run_pods_of_jobs(kube: KubeStandin) -> None:
     """A kubelet: every Job created gets its pod, running on the node it is pinned to."""
     kube.on_job_created(lambda server, job: server.run_job_pod(job))
-
-
-def jobs_created(kube: KubeStandin) -> int:
-    return sum(
-        1
-        for r in kube.requests
-        if r.verb == "create" and r.path.endswith("/jobs") and r.status < 300
-    )
 
 
 def gpu_request(job: dict[str, Any]) -> str:

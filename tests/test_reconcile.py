@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from agent.wire.errors import ApiError
 from control.kube.planner import (
     CreateJob,
     CreateSecret,
@@ -34,6 +33,7 @@ from control.kube.planner import (
 )
 from control.kube.planner import machine_of as machine_of_facts
 from control.models import WorkerState
+from wire.errors import ApiError
 
 NOW = 1_700_000_000.0
 plan_pool = plan_objects

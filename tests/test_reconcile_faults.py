@@ -17,43 +17,21 @@ from typing import Any
 import pytest
 import trio
 
-from agent.wire.errors import ErrorCode
 from control.cli.main import main as cli_main
+from control.db.base import TaskStoreError
 from control.kube.loop import settings_of
 from control.kube.planner import job_manifest, job_name, token_secret_name
 from control.kube.pools import load_pools
-from control.tasks.store import TaskStoreError
 from sim.configs import API_TOKEN
 from sim.kubeapi.objects import job_node
 from sim.kubeapi.store import KubeStandin, WatchFaults
-from tests.test_pool_reconcile import (
-    CONTROLPLANE_URL,
-    gpu_node,
-    jobs_created,
-    pool_block,
-    reconciler,
-    serve_pool,
-    until,
-)
+from sim.pools import gpu_node, jobs_created, pool_block, schedule_pods_of_jobs
+from tests.test_pool_reconcile import CONTROLPLANE_URL, reconciler, serve_pool, until
+from wire.errors import ErrorCode
 
 pytest_plugins = ["tests.kube_fixtures"]
 
 NODES = ("node-1", "node-2", "node-3")
-
-
-def schedule_pods_of_jobs(kube: KubeStandin) -> None:
-    """A kubelet and scheduler: a Job's pod runs on its node, or waits Pending while a worker
-    pod of ours already holds that node's cards."""
-
-    def hook(server: KubeStandin, job: dict[str, Any]) -> None:
-        node = job_node(job)
-        taken = any(
-            pod["spec"].get("nodeName") == node and pod["status"].get("phase") == "Running"
-            for pod in server.pods(job["metadata"]["namespace"])
-        )
-        server.run_job_pod(job, phase="Pending" if taken else "Running")
-
-    kube.on_job_created(hook)
 
 
 def refuse_creates(

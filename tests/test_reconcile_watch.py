@@ -21,16 +21,8 @@ from control.kube.pools import load_pools
 from sim.configs import API_TOKEN, control_config, make_pki
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
-from tests.test_pool_reconcile import (
-    cards,
-    gpu_node,
-    gpu_request,
-    jobs_created,
-    pool_block,
-    reconciler,
-    run_pods_of_jobs,
-    until,
-)
+from sim.pools import gpu_node, jobs_created, pool_block
+from tests.test_pool_reconcile import cards, gpu_request, reconciler, run_pods_of_jobs, until
 
 pytest_plugins = ["tests.kube_fixtures"]
 

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from agent.api.models import ExecRequest
-from agent.wire.errors import ApiError
 from control.cli.client import ControlClient, ControlClientError
 from control.config import DatabaseSettings
 from control.models import TaskRequest
@@ -26,6 +24,8 @@ from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from sim.replicas import ReplicatedCluster, open_replicated_cluster
 from tests.test_e2e import wait_state
+from wire.errors import ApiError
+from workerapi.models import ExecRequest
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten

@@ -26,8 +26,8 @@ from agent.runtime.rootfs import (
 )
 from agent.runtime.snapshots import write_layer
 from agent.store.objects import ObjectStore
-from agent.wire.errors import ErrorCode
 from tests.test_layers import Member, directory, ensure, entry, hardlink, put_layer, symlink
+from wire.errors import ErrorCode
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: mounts overlays and unpacks layers with ownership"

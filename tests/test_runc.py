@@ -22,6 +22,7 @@ import attrs
 import pytest
 import trio
 
+from agent.host.cgroups import CgroupError, oom_killed, read_cgroup_limits, remove_cgroup
 from agent.runtime.ocispec import Bind, Limits, RuntimeSpec, exec_process, write_bundle
 from agent.runtime.runc import (
     Runc,
@@ -30,17 +31,14 @@ from agent.runtime.runc import (
     ShimLost,
     checkpoint_support,
     error_code,
-    oom_killed,
-    read_cgroup_limits,
     read_exit,
-    remove_cgroup,
     run_container,
     runc_message,
     running_shim,
     wait_exit,
 )
 from agent.runtime.shim import shim_path
-from agent.wire.errors import ErrorCode
+from wire.errors import ErrorCode
 
 _needs_runc = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("runc") or not Path("/bin/busybox").exists(),
@@ -441,7 +439,7 @@ async def test_delete_removes_state_and_cgroup_and_may_be_repeated(lab: Lab) -> 
     container_id = started.spec.container_id
     assert [s.id for s in await lab.runc.list()] == [container_id]
     assert cgroup_dirs(container_id)
-    with pytest.raises(RuncError) as busy:
+    with pytest.raises(CgroupError) as busy:
         remove_cgroup(started.spec.cgroups_path)
     assert busy.value.code is ErrorCode.FAILED_PRECONDITION
 

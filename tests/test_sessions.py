@@ -16,7 +16,7 @@ import trio
 
 from control.api.server import Controlplane, serve_controlplane
 from control.config import DatabaseSettings, parse
-from control.tasks.databases import open_database
+from control.db.open import open_database
 from control.ui.session import COOKIE, SessionLimits, session_hash
 from control.ui.sessions import SessionStore
 from sim.configs import Pki, make_pki

@@ -31,7 +31,6 @@ import pytest
 import trio
 import trio.testing
 
-from agent.api.models import ContainerSpec, VolumeSpec
 from agent.runtime.config import ContainerConfig
 from agent.runtime.manager import (
     STILL_RUNNING,
@@ -41,11 +40,12 @@ from agent.runtime.manager import (
 )
 from agent.runtime.records import Container, ContainerRecord, ContainerState
 from agent.volumes.rclone import find_rclone
-from agent.wire.errors import dumps, loads
 from control.kube.planner import TERMINATION_GRACE_S
 from sim.configs import read_line
 from sim.s3 import s3_credentials
 from tests.leftovers import assert_nothing_left, force_clean, mounts_under, rclones_under
+from wire.errors import dumps, loads
+from workerapi.models import ContainerSpec, VolumeSpec
 
 if TYPE_CHECKING:
     from sim.s3 import S3Server
@@ -91,12 +91,12 @@ _AGENT = textwrap.dedent(
     import json, logging, sys
     from pathlib import Path
     import trio
-    from agent.api.models import ContainerSpec
+    from workerapi.models import ContainerSpec
     from agent.runtime.config import ContainerConfig
     from agent.runtime.manager import ShutdownBudget, open_container_manager
-    from agent.wire.errors import loads
-    from agent.wire.logs import JsonFormatter
-    from agent.wire.signals import run_until_signalled
+    from wire.errors import loads
+    from proc.logs import JsonFormatter
+    from proc.signals import run_until_signalled
 
     given = json.loads(sys.stdin.readline())
     handler = logging.FileHandler(given["log"])

@@ -17,12 +17,8 @@ import httpx
 import pytest
 import trio
 
-from agent.api.models import ContainerSpec, S3Credentials, VolumeSpec
-from agent.api.validation import canonical_mount_path, check_env_name
 from agent.runtime.spec import validate_spec as validate_container
 from agent.volumes.specs import validate_volume
-from agent.wire.errors import ApiError, decode_json, dumps, loads, too_deep
-from agent.wire.service import MAX_JSON_BODY_BYTES
 from control.api.server import Controlplane, serve_controlplane
 from control.cli.client import open_control_client
 from control.cli.main import main
@@ -31,6 +27,10 @@ from control.config import parse
 from control.models import TaskRequest, TaskState, TaskView
 from control.tasks.store import TaskSpec
 from sim.configs import Pki, make_pki
+from wire.errors import ApiError, decode_json, dumps, loads, too_deep
+from wire.service import MAX_JSON_BODY_BYTES
+from workerapi.models import ContainerSpec, S3Credentials, VolumeSpec
+from workerapi.validation import canonical_mount_path, check_env_name
 
 TOKEN = "strict-input-token-0123456789"
 S3_KEYS = {"accessKeyId": "AKIDEXAMPLE", "secretAccessKey": "bucket-secret-9999"}

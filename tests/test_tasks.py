@@ -15,11 +15,9 @@ import attrs
 import pytest
 import trio
 
-from agent.api.models import GcsCredentials, S3Credentials, VolumeSpec
-from agent.wire.errors import ApiError, ErrorCode
 from control.config import DatabaseSettings
+from control.db.open import open_database
 from control.models import TaskState
-from control.tasks.databases import open_database, open_task_store
 from control.tasks.store import (
     Cancel,
     Exited,
@@ -32,8 +30,11 @@ from control.tasks.store import (
     TaskSpec,
     TaskStore,
     TransitionError,
+    open_task_store,
     transition,
 )
+from wire.errors import ApiError, ErrorCode
+from workerapi.models import GcsCredentials, S3Credentials, VolumeSpec
 
 if TYPE_CHECKING:  # imported by pytest as a plugin, so not here (its asserts are rewritten)
     from tests.postgres_fixtures import PostgresServer
@@ -402,7 +403,7 @@ async def test_newer_schema_version_is_refused(
     assert info.value.code is ErrorCode.FAILED_PRECONDITION
     assert "99" in info.value.message and where_named(database) in info.value.message
     # The refused open left the records alone.
-    from control.tasks import postgres, sqlite
+    from control.db import postgres, sqlite
 
     known = sqlite.SCHEMA_VERSION if isinstance(database, Path) else postgres.SCHEMA_VERSION
     set_schema_version(database, known, request)
@@ -463,7 +464,7 @@ async def test_a_wrong_password_or_no_server_is_a_clear_error_without_the_passwo
 ) -> None:
     # The pool tries for its whole connect timeout before it gives up; the words are the same
     # after 2 s as after 10.
-    from control.tasks import postgres
+    from control.db import postgres
 
     monkeypatch.setattr(postgres, "CONNECT_TIMEOUT_S", 2)
     wrong = attrs.evolve(postgres_database, password="not-the-password")
@@ -519,8 +520,8 @@ async def test_two_stores_on_one_database_never_both_move_a_task(database: Where
 
 async def test_a_write_from_a_stale_read_is_refused(database: Where) -> None:
     """The compare-and-set itself: a row written since it was read is not overwritten."""
-    from control.database import Tx
-    from control.tasks.store import CasConflict, _select_one, _update
+    from control.db.base import CasConflict, Tx
+    from control.tasks.store import _select_one, _update
 
     async with open_task_store(database) as store:
         task = await store.create("ws-a", spec())
@@ -544,7 +545,7 @@ async def test_a_write_from_a_stale_read_is_refused(database: Where) -> None:
 async def test_a_file_from_before_row_versions_is_migrated_and_keeps_its_tasks(
     tmp_path: Path,
 ) -> None:
-    from control.tasks import sqlite as backend
+    from control.db import sqlite as backend
 
     path = tmp_path / "tasks.db"
     conn = sqlite3.connect(path)

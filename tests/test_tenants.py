@@ -19,12 +19,10 @@ import httpx
 import pytest
 import trio
 
-from agent.api.reference import local_registry_refusal
 from agent.daemon.config import load_container_config
 from agent.runtime.images.guard import parse_fib_trie, parse_if_inet6
 from agent.runtime.images.puller import ImagePuller
 from agent.store.objects import ObjectStore
-from agent.wire.errors import ApiError, dumps
 from control.api import watch
 from control.api.server import Controlplane, serve_controlplane
 from control.api.watch import apply_changes, page_changes
@@ -47,6 +45,8 @@ from control.limits import (
 from control.models import TaskList, TaskState, TaskView
 from control.tasks.store import TaskSpec
 from sim.configs import Pki, make_pki
+from wire.errors import ApiError, dumps
+from workerapi.reference import local_registry_refusal
 
 TOKEN_A = "tenant-a-token-0123456789"
 TOKEN_B = "tenant-b-token-0123456789"

@@ -1,4 +1,4 @@
-"""Tests for agent.wire.tls: the TLS stream, pinning, certificates and contexts."""
+"""Tests for wire.tls: the TLS stream, pinning, certificates and contexts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import trio.testing
 import trustme
 from cryptography import x509
 
-from agent.wire.tls import (
+from wire.tls import (
     CertKey,
     PinMismatchError,
     TLSStream,

@@ -16,13 +16,13 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.wire.untrusted import CLIP_CHARS, METHODS, OTHER, clip, method_label, status_label
 from control.api.server import Controlplane, serve_controlplane
 from control.cli.client import ControlClient, open_control_client
 from control.config import MetricsSettings
 from control.metrics import ControlMetrics
-from control.replicas.forward import WORKER_HEADER
+from control.workers.forward import WORKER_HEADER
 from sim.configs import Pki, control_config, make_pki
+from wire.untrusted import CLIP_CHARS, METHODS, OTHER, clip, method_label, status_label
 
 # -- pure --------------------------------------------------------------------------------------
 

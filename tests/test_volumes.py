@@ -30,7 +30,6 @@ import psutil
 import pytest
 import trio
 
-from agent.api.models import GcsCredentials, S3Credentials, VolumeSpec
 from agent.host.mount import parse_mountinfo
 from agent.volumes.rclone import (
     TESTED_VERSION,
@@ -62,11 +61,12 @@ from agent.volumes.specs import (
     validate_volume,
 )
 from agent.volumes.supervisor import Volumes, remove_tree, sweep_targets
-from agent.wire.errors import ErrorCode
 from sim.configs import read_line
 from sim.registry import free_port
 from sim.s3 import S3Server, S3User, s3_credentials
 from tests.leftovers import force_clean, mounts_under, rclones_under
+from wire.errors import ErrorCode
+from workerapi.models import GcsCredentials, S3Credentials, VolumeSpec
 
 pytest_plugins = ["tests.s3_fixtures"]
 
@@ -938,7 +938,7 @@ _DEAD_AGENT = """
 import json, sys
 from pathlib import Path
 import trio
-from agent.api.models import S3Credentials, VolumeSpec
+from workerapi.models import S3Credentials, VolumeSpec
 from agent.volumes.supervisor import Volumes
 
 async def main() -> None:

@@ -1,4 +1,4 @@
-"""Tests for agent.wire.websocket: the tunnel's WebSocket framing and handshake, sans-IO.
+"""Tests for wire.websocket: the tunnel's WebSocket framing and handshake, sans-IO.
 
 Our frames are checked against an independent implementation, wsproto, in both directions and
 both roles, and hypothesis splits the bytes at arbitrary boundaries."""
@@ -24,7 +24,7 @@ from wsproto.events import (
 )
 from wsproto.events import Ping as WsprotoPing
 
-from agent.wire.websocket import (
+from wire.websocket import (
     OP_BINARY,
     OP_CLOSE,
     OP_CONTINUATION,

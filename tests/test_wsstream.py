@@ -1,4 +1,4 @@
-"""Tests for agent.wire.wsstream: a byte stream inside WebSocket binary messages."""
+"""Tests for wire.wsstream: a byte stream inside WebSocket binary messages."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from wsproto.events import BytesMessage, CloseConnection
 from wsproto.events import Ping as WsprotoPing
 from wsproto.events import Pong as WsprotoPong
 
-from agent.wire.websocket import OP_BINARY, OP_CLOSE, OP_TEXT, FrameDecoder, encode_frame
-from agent.wire.wsstream import (
+from wire.websocket import OP_BINARY, OP_CLOSE, OP_TEXT, FrameDecoder, encode_frame
+from wire.wsstream import (
     WS_MAX_SEND_BYTES,
     ConnectionRejected,
     HandshakeError,

@@ -14,7 +14,6 @@ import sys
 
 import trio
 
-from agent import __version__
 from agent.daemon.config import (
     MAX_TOKEN_BYTES,
     TOKEN_FD_VARIABLE,
@@ -23,8 +22,9 @@ from agent.daemon.config import (
     environ_for_reexec,
     load_config,
 )
-from agent.wire.extras import missing_extra
-from agent.wire.logs import setup_logging
+from proc.extras import missing_extra
+from proc.logs import setup_logging
+from workerapi import __version__
 
 
 def hide_token() -> None:
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"levers9-agent: {exc}", file=sys.stderr)
         return 2
     from agent.daemon.run import run_agent
-    from agent.wire.allocator import tune_malloc
-    from agent.wire.signals import run_until_signalled
+    from proc.malloc import tune_malloc
+    from proc.signals import run_until_signalled
 
     tune_malloc()
     trio.run(run_until_signalled, functools.partial(run_agent, config))

@@ -32,9 +32,9 @@ from pathlib import Path
 import attrs
 
 from agent.runtime.config import ContainerConfig
-from agent.wire.admission import DEFAULT_IDLE_TIMEOUT_S, ConnectionLimits
-from agent.wire.connection import KeepaliveConfig
-from agent.wire.http2 import Http2Settings
+from wire.admission import DEFAULT_IDLE_TIMEOUT_S, ConnectionLimits
+from wire.connection import KeepaliveConfig
+from wire.http2 import Http2Settings
 
 ENV_PREFIX = "LEVERS9_"
 
@@ -191,7 +191,7 @@ def _count(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def load_connection_limits(env: Mapping[str, str]) -> ConnectionLimits:
-    """The direct listener's limits (agent.wire.admission has why the defaults are what they
+    """The direct listener's limits (wire.admission has why the defaults are what they
     are)."""
     default = ConnectionLimits()
     return ConnectionLimits(

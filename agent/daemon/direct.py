@@ -14,15 +14,15 @@ import logging
 import trio
 
 from agent.daemon.config import AgentConfig
-from agent.wire.admission import Admissions, ConnectionLog, Refusal, source_address
-from agent.wire.connection import ConnectionLost, Http2Connection
-from agent.wire.service import Service
-from agent.wire.tls import (
+from wire.admission import Admissions, ConnectionLog, Refusal, source_address
+from wire.connection import ConnectionLost, Http2Connection
+from wire.service import Service
+from wire.tls import (
     CertKey,
     TLSStream,
     server_context,
 )
-from agent.wire.untrusted import clip
+from wire.untrusted import clip
 
 log = logging.getLogger("levers9.agent")
 

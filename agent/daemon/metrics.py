@@ -46,16 +46,16 @@ from prometheus_client.core import (
     Metric,
 )
 
-from agent import __version__
-from agent.api.models import CardInfo
 from agent.daemon.config import MetricsConfig
 from agent.gpus.claim import CardState
 from agent.runtime.manager import ContainerManager
 from agent.runtime.records import ContainerState
 from agent.store.objects import ObjectStore, StoreStatistics
 from agent.volumes.supervisor import Volumes
-from agent.wire.metrics import serve_metrics
 from nvml import Device, Nvml, NvmlError, Readings, XidEvent, XidListener, open_nvml
+from wire.metrics import serve_metrics
+from workerapi import __version__
+from workerapi.models import CardInfo
 
 log = logging.getLogger("levers9.agent")
 

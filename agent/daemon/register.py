@@ -14,24 +14,24 @@ from pathlib import Path
 import psutil
 import trio
 
-from agent import __version__
-from agent.api.models import Registration
 from agent.daemon.config import AgentConfig
 from agent.daemon.routes import WorkerState
-from agent.wire.backoff import (
+from wire.backoff import (
     Backoff,
     BackoffState,
     next_delay,
     record_failure,
 )
-from agent.wire.client import ApiClient, open_api_client
-from agent.wire.errors import ApiError
-from agent.wire.tls import (
+from wire.client import ApiClient, open_api_client
+from wire.errors import ApiError
+from wire.tls import (
     PinMismatchError,
     TLSStream,
     verifying_client_context,
 )
-from agent.wire.wsstream import ConnectionRejected, HandshakeError
+from wire.wsstream import ConnectionRejected, HandshakeError
+from workerapi import __version__
+from workerapi.models import Registration
 
 log = logging.getLogger("levers9.agent")
 

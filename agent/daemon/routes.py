@@ -2,7 +2,7 @@
 
 The routes are registered on one `Router`; later capabilities (cards, containers, objects,
 volumes) add theirs here. Handlers are thin: they read the worker's state and answer with
-models from `agent.api.models`.
+models from `workerapi.models`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from collections.abc import AsyncGenerator
 import attrs
 import trio
 
-from agent import __version__
-from agent.api.models import CardInfo, Health, WorkerInfo
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
-from agent.wire.logs import RecentLogs
-from agent.wire.service import Request, Router, StreamResponse
+from proc.logs import RecentLogs
+from wire.errors import ApiError, ErrorCode
+from wire.h2websocket import H2WebSocket, WebSocketClosed
+from wire.service import Request, Router, StreamResponse
+from workerapi import __version__
+from workerapi.models import CardInfo, Health, WorkerInfo
 
 LOG_POLL_S = 0.2
 

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 
 import trio
 
-from agent.api.models import CardInfo
 from agent.daemon.config import AgentConfig
 from agent.daemon.direct import serve_direct
 from agent.daemon.metrics import serve_agent_metrics
@@ -46,12 +45,13 @@ from agent.runtime.manager import ContainerManager, open_container_manager
 from agent.runtime.records import Gpus
 from agent.runtime.routes import add_container_routes, resolve_container
 from agent.store.routes import add_object_routes
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import ConnectPolicy, Service, bearer_auth
-from agent.wire.tls import (
+from nvml import NvmlError
+from wire.errors import ApiError, ErrorCode
+from wire.service import ConnectPolicy, Service, bearer_auth
+from wire.tls import (
     make_self_signed,
 )
-from nvml import NvmlError
+from workerapi.models import CardInfo
 
 log = logging.getLogger("levers9.agent")
 IDLE_POLL_S = 5.0
@@ -81,7 +81,7 @@ async def run_agent(
     config: AgentConfig, *, task_status: trio.TaskStatus[int | None] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve until cancelled. `started()` gives the direct listener's port (None in tunnel)."""
-    from agent.wire.admission import raise_open_files_limit
+    from wire.admission import raise_open_files_limit
 
     raise_open_files_limit(config.connections.max_total)
     state = WorkerState(worker_id=config.worker_id, mode=config.mode, node=config.node)

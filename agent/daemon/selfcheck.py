@@ -56,10 +56,10 @@ from agent.gpus.edits import CONTROL_DEVICES, NodeFiles, discover_node_files
 from agent.runtime.config import ContainerConfig
 from agent.runtime.runc import checkpoint_support
 from agent.volumes.rclone import SEARCH_PATH, TESTED_VERSION, find_rclone, parse_rclone_version
-from agent.wire.client import ApiClient, open_api_client
-from agent.wire.errors import ApiError, exception_leaves
-from agent.wire.wsstream import ConnectionRejected
 from nvml import NvmlUnavailableError, Snapshot, open_nvml
+from wire.client import ApiClient, open_api_client
+from wire.errors import ApiError, exception_leaves
+from wire.wsstream import ConnectionRejected
 
 
 class Status(enum.Enum):

@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from agent import __version__
 from agent.daemon.config import AgentConfig
 from agent.daemon.register import (
     TUNNEL_FAILURES,
@@ -18,7 +17,7 @@ from agent.daemon.register import (
     failure_reason,
     open_controlplane_tls,
 )
-from agent.wire.backoff import (
+from wire.backoff import (
     Backoff,
     BackoffState,
     next_delay,
@@ -26,13 +25,14 @@ from agent.wire.backoff import (
     record_disconnect,
     record_failure,
 )
-from agent.wire.connection import Http2Connection
-from agent.wire.errors import exception_leaves
-from agent.wire.service import Service
-from agent.wire.tls import (
+from wire.connection import Http2Connection
+from wire.errors import exception_leaves
+from wire.service import Service
+from wire.tls import (
     TLSStream,
 )
-from agent.wire.wsstream import ConnectionRejected, HandshakeError, WebSocketStream, open_websocket
+from wire.wsstream import ConnectionRejected, HandshakeError, WebSocketStream, open_websocket
+from workerapi import __version__
 
 log = logging.getLogger("levers9.agent")
 

@@ -1,5 +1,5 @@
 """The worker's side of exec: one exec'd process (`ExecSession`, over runc's `ExecProcess`)
-carried over a WebSocket until it exits. The framing is `agent.api.exec`'s.
+carried over a WebSocket until it exits. The framing is `workerapi.exec`'s.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from agent.api.exec import CHUNK_BYTES, STDERR, STDIN, STDOUT, frame, parse_request, unframe
-from agent.api.models import ExecExit, ExecRequest, ExecResize
 from agent.runtime.runc import ExecProcess
-from agent.wire.errors import ApiError, dumps, loads
-from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
+from wire.errors import ApiError, dumps, loads
+from wire.h2websocket import H2WebSocket, WebSocketClosed
+from workerapi.exec import CHUNK_BYTES, STDERR, STDIN, STDOUT, frame, parse_request, unframe
+from workerapi.models import ExecExit, ExecRequest, ExecResize
 
 StartExec = Callable[[ExecRequest], Awaitable["ExecSession"]]
 

@@ -46,7 +46,7 @@ import attrs
 import trio
 
 from agent.store.objects import ObjectStore
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
 
 MEDIA_TYPE_TAR = "application/vnd.oci.image.layer.v1.tar"
 MEDIA_TYPE_TAR_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"

@@ -18,9 +18,6 @@ from typing import Any
 import attrs
 import trio
 
-from agent.api.models import (
-    LogLine,
-)
 from agent.host.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
@@ -28,6 +25,9 @@ from agent.host.inotify import (
     IN_MODIFY,
     IN_MOVED_TO,
     Inotify,
+)
+from workerapi.models import (
+    LogLine,
 )
 
 log = logging.getLogger("levers9.containers")

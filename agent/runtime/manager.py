@@ -12,7 +12,7 @@ The container's stdio and exit status belong to the shim, not to the agent, so a
 outlives an agent that is killed and is re-adopted, logs and all, by the next one. A record
 never holds a secret: registry credentials are used for the pull and dropped.
 
-Shutdown always ends. SIGTERM cancels the daemon's main task (`agent.wire.signals`), and the
+Shutdown always ends. SIGTERM cancels the daemon's main task (`proc.signals`), and the
 exit of `open_container_manager` stops every container, then the bucket mounts, then the
 network rules, each part under a deadline counted from the start of the shutdown
 (`ShutdownBudget`, defaults in brackets), so the agent is done well inside the worker Job's
@@ -63,17 +63,10 @@ import attrs
 import psutil
 import trio
 
-from agent.api.models import (
-    ContainerSpec,
-    ExecRequest,
-    LogLine,
-    SnapshotInfo,
-    VolumeSpec,
-)
-from agent.api.validation import canonical_mount_path
 from agent.gpus.allocator import Refusal
 from agent.gpus.edits import spec_edits
 from agent.gpus.ledger import CardConflict, ConflictKind
+from agent.host.cgroups import oom_killed, remove_cgroup
 from agent.runtime.config import ContainerConfig
 from agent.runtime.exec import ExecSession
 from agent.runtime.images.auth import RegistryCredentials
@@ -103,9 +96,7 @@ from agent.runtime.runc import (
     ExitStatus,
     Runc,
     ShimLost,
-    oom_killed,
     read_exit,
-    remove_cgroup,
     run_container,
     running_shim,
     wait_exit,
@@ -114,7 +105,15 @@ from agent.runtime.shim import shim_path
 from agent.runtime.spec import process_args, resolve_user, validate_spec
 from agent.store.objects import ObjectStore
 from agent.volumes.supervisor import Volumes
-from agent.wire.errors import ApiError, ErrorCode, dumps, loads
+from wire.errors import ApiError, ErrorCode, dumps, loads
+from workerapi.models import (
+    ContainerSpec,
+    ExecRequest,
+    LogLine,
+    SnapshotInfo,
+    VolumeSpec,
+)
+from workerapi.validation import canonical_mount_path
 
 log = logging.getLogger("levers9.containers")
 SNAPSHOT_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar"

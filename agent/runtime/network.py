@@ -44,7 +44,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
 
 log = logging.getLogger("levers9.network")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
 
 OCI_VERSION = "1.0.2"
 CGROUP_PARENT = "/levers9"

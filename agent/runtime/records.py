@@ -14,18 +14,18 @@ from pathlib import Path
 import attrs
 import trio
 
-from agent.api.models import (
-    ContainerSpec,
-    ContainerStatus,
-    PullStatus,
-)
 from agent.gpus.claim import GpuConfig
 from agent.gpus.edits import NodeFiles
 from agent.gpus.ledger import CardLedger
 from agent.runtime.images.puller import PullProgress
 from agent.runtime.network import ContainerNetwork
 from agent.runtime.ocispec import RuntimeSpec
-from agent.wire.errors import ApiError
+from wire.errors import ApiError
+from workerapi.models import (
+    ContainerSpec,
+    ContainerStatus,
+    PullStatus,
+)
 
 CONTAINER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 MAX_EVENTS = 20

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent.host.mount import MountEntry, host_mounts, read_mountinfo
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
 
 # overlayfs refuses more lower layers than this (OVL_MAX_STACK).
 MAX_LAYERS = 500

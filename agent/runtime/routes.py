@@ -1,10 +1,10 @@
 """The worker API's container routes: create, get, list, logs, exec, stop, delete, snapshot.
 
 Handlers are thin: they parse the request into a model, call the `ContainerManager`, and answer
-with models from `agent.api.models`. Creation belongs to the manager, so a client that gives up
+with models from `workerapi.models`. Creation belongs to the manager, so a client that gives up
 waiting (`wait=false`, or a deadline) leaves the container being created; `GET` tells how far
 it got. A container's declared ports are reached by CONNECT to `<container id>:<port>`
-(see `resolve_container`), exec is a WebSocket (`agent.api.exec`).
+(see `resolve_container`), exec is a WebSocket (`workerapi.exec`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 
-from agent.api.models import (
+from agent.runtime.exec import ExecSession, serve_exec
+from agent.runtime.manager import ContainerManager
+from wire.errors import ApiError, ErrorCode, dumps, loads
+from wire.h2websocket import H2WebSocket
+from wire.service import JsonResponse, Request, Router, StreamResponse
+from workerapi.models import (
     ContainerList,
     ContainerSpec,
     ContainerStatus,
@@ -20,11 +25,6 @@ from agent.api.models import (
     SnapshotInfo,
     StopRequest,
 )
-from agent.runtime.exec import ExecSession, serve_exec
-from agent.runtime.manager import ContainerManager
-from agent.wire.errors import ApiError, ErrorCode, dumps, loads
-from agent.wire.h2websocket import H2WebSocket
-from agent.wire.service import JsonResponse, Request, Router, StreamResponse
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:

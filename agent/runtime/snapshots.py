@@ -25,7 +25,7 @@ from agent.runtime.layers import (
     is_whiteout,
 )
 from agent.store.objects import ObjectStore
-from agent.wire.errors import ErrorCode
+from wire.errors import ErrorCode
 
 
 class _Unrepresentable(Exception):

@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from agent.api.digests import parse_digest
-from agent.api.models import (
-    ContainerSpec,
-)
-from agent.api.validation import canonical_mount_path, check_c_string, check_env_name
 from agent.runtime.records import CONTAINER_ID
 from agent.volumes.specs import validate_volume
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
+from workerapi.digests import parse_digest
+from workerapi.models import (
+    ContainerSpec,
+)
+from workerapi.validation import canonical_mount_path, check_c_string, check_env_name
 
 PULL_POLICIES = ("if-not-present", "always")
 # Below this runc cannot even start a container's init.

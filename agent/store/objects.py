@@ -55,8 +55,8 @@ from typing import Any
 import attrs
 import trio
 
-from agent.api.digests import DIGEST_PREFIX, DigestMismatch, StoredObject, parse_digest
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
+from workerapi.digests import DIGEST_PREFIX, DigestMismatch, StoredObject, parse_digest
 
 log = logging.getLogger("levers9.objects")
 DEFAULT_ROOT = Path("/var/lib/levers9")

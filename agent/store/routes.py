@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from agent.api.digests import StoredObject, parse_digest
 from agent.store.objects import ObjectStore
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import JsonResponse, Request, Router, StreamResponse
+from wire.errors import ApiError, ErrorCode
+from wire.service import JsonResponse, Request, Router, StreamResponse
+from workerapi.digests import StoredObject, parse_digest
 
 OBJECT_CONTENT_TYPE = "application/octet-stream"
 READ_CHUNK_BYTES = 1024 * 1024

@@ -26,11 +26,10 @@ from pathlib import Path
 
 import attrs
 
-from agent.api.models import VolumeSpec
-
 # /proc/self/mountinfo is read the same way for rootfs overlays and for bucket mounts.
 from agent.volumes.specs import VolumeError, VolumeOptions, bucket_url_of
-from agent.wire.errors import ErrorCode
+from wire.errors import ErrorCode
+from workerapi.models import VolumeSpec
 
 RC_USER = "levers9"
 _GCS_ENDPOINT = "https://storage.googleapis.com"

@@ -14,14 +14,13 @@ from typing import Any
 
 import attrs
 
-from agent.api.models import GcsCredentials, VolumeSpec
-from agent.api.validation import canonical_mount_path
-
 # /proc/self/mountinfo is read the same way for rootfs overlays and for bucket mounts.
-from agent.wire.backoff import (
+from wire.backoff import (
     Backoff,
 )
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
+from workerapi.models import GcsCredentials, VolumeSpec
+from workerapi.validation import canonical_mount_path
 
 EventCallback = Callable[[tuple[str, ...], str], None]
 _PROCESS_KEY = secrets.token_bytes(32)

@@ -77,8 +77,6 @@ import attrs
 import httpx
 import trio
 
-from agent.api.models import VolumeSpec
-
 # /proc/self/mountinfo is read the same way for rootfs overlays and for bucket mounts.
 from agent.host.mount import MountEntry, host_mounts, is_mounted, read_mountinfo
 from agent.volumes.rclone import (
@@ -121,14 +119,15 @@ from agent.volumes.specs import (
     spec_secrets,
     validate_volume,
 )
-from agent.wire.backoff import (
+from wire.backoff import (
     BackoffState,
     next_delay,
     record_connected,
     record_disconnect,
     record_failure,
 )
-from agent.wire.errors import ErrorCode
+from wire.errors import ErrorCode
+from workerapi.models import VolumeSpec
 
 log = logging.getLogger("levers9.volumes")
 UNMOUNT_RESERVE_S = 3.0

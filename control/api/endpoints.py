@@ -33,10 +33,10 @@ import attrs
 import h11
 import trio
 
-from agent.wire.connection import H2Stream
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import BytesResponse, Request, StreamResponse
 from control.ui.session import sets_session_cookie, without_session_cookie
+from wire.connection import H2Stream
+from wire.errors import ApiError, ErrorCode
+from wire.service import BytesResponse, Request, StreamResponse
 
 log = logging.getLogger("levers9.endpoints")
 

@@ -1,7 +1,7 @@
 """The controlplane's public endpoint: one TLS listener, two protocols chosen by ALPN.
 
 - `h2`: the controlplane API (CLI, scripts, workers registering), served by the same
-  `agent.wire.service.Service` machinery the worker uses, with the controlplane's own routes.
+  `wire.service.Service` machinery the worker uses, with the controlplane's own routes.
 - `http/1.1`: a worker's tunnel. The WebSocket upgrade to `/v1/workers/<id>/tunnel` is
   authenticated with that worker's token BEFORE it is accepted (401 otherwise, and no HTTP/2
   is ever spoken); then HTTP/2 runs inside the WebSocket with the controlplane as the client,
@@ -24,31 +24,6 @@ from typing import Any
 import attrs
 import trio
 
-from agent.api.client import WorkerClient
-from agent.api.models import Registration, WorkerInfo, WorkerSummary
-from agent.wire.admission import (
-    Admission,
-    Admissions,
-    ConnectionLimits,
-    ConnectionLog,
-    Refusal,
-    source_address,
-)
-from agent.wire.connection import ConnectionLost, H2Stream, Http2Connection, KeepaliveConfig
-from agent.wire.errors import ApiError, ErrorCode, decode_json
-from agent.wire.metrics import render as render_metrics
-from agent.wire.metrics import serve_metrics
-from agent.wire.service import (
-    BytesResponse,
-    JsonResponse,
-    Request,
-    Router,
-    Service,
-    bearer_token,
-)
-from agent.wire.tls import TLSStream, fingerprint_of_pem
-from agent.wire.untrusted import clip
-from agent.wire.wsstream import HandshakeError, read_upgrade
 from control.api.endpoints import EndpointProxy
 from control.api.tasks import WORKSPACE_PREFIX, add_task_routes
 from control.config import ControlConfig
@@ -72,12 +47,9 @@ from control.models import (
     WorkerList,
     WorkerState,
 )
-from control.registry import Replication, WorkerRegistry
-from control.replicas.directory import Directory
-from control.replicas.forward import Peers, is_forwarded, serve_forwarded
-from control.tasks.databases import open_task_store
 from control.tasks.dispatch import Dispatcher
 from control.tasks.scheduler import MachineSize, Retire
+from control.tasks.store import open_task_store
 from control.ui.pages import add_ui_routes, error_headers
 from control.ui.session import (
     SessionLimits,
@@ -87,7 +59,35 @@ from control.ui.session import (
     origin_refusal,
 )
 from control.ui.sessions import SessionStore
+from control.workers.directory import Directory
+from control.workers.forward import Peers, is_forwarded, serve_forwarded
+from control.workers.registry import Replication, WorkerRegistry
 from control.workspaces import Workspaces
+from wire.admission import (
+    Admission,
+    Admissions,
+    ConnectionLimits,
+    ConnectionLog,
+    Refusal,
+    source_address,
+)
+from wire.connection import ConnectionLost, H2Stream, Http2Connection, KeepaliveConfig
+from wire.errors import ApiError, ErrorCode, decode_json
+from wire.metrics import render as render_metrics
+from wire.metrics import serve_metrics
+from wire.service import (
+    BytesResponse,
+    JsonResponse,
+    Request,
+    Router,
+    Service,
+    bearer_token,
+)
+from wire.tls import TLSStream, fingerprint_of_pem
+from wire.untrusted import clip
+from wire.wsstream import HandshakeError, read_upgrade
+from workerapi.client import WorkerClient
+from workerapi.models import Registration, WorkerInfo, WorkerSummary
 
 REMOVE_POOL_S = 60.0
 """How long a removed pool's Jobs may take to delete before its loop stops anyway."""
@@ -648,7 +648,7 @@ class Controlplane:
 
     async def handle_stream(self, stream: H2Stream) -> None:
         """A stream on the API listener: a request another replica forwards for a worker this
-        one holds (`control.replicas.forward`), or the API's."""
+        one holds (`control.workers.forward`), or the API's."""
         worker = is_forwarded(stream.headers or [])
         if worker is None:
             await self.service(stream)

@@ -28,13 +28,15 @@ from typing import TypeVar
 import attrs
 import trio
 
-from agent.api.digests import parse_digest
-from agent.api.models import VolumeSpec
-from agent.api.reference import local_registry_refusal, parse_reference
-from agent.api.validation import canonical_mount_path
-from agent.wire.errors import ApiError, ErrorCode, dumps
-from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
-from agent.wire.service import (
+from control.api.endpoints import EndpointProxy, upstream_target
+from control.api.watch import watch_list, watch_value
+from control.limits import TenantGuard, active_tasks_refusal, spec_refusal, token_key
+from control.models import TaskList, TaskRequest, TaskSnapshot, TaskState, TaskView
+from control.tasks.dispatch import CLEANUP_S, SCHEDULE_EVERY_S, Dispatcher, WorkerLost
+from control.tasks.store import ACTIVE_ON_WORKER, TaskRecord, TaskSpec
+from wire.errors import ApiError, ErrorCode, dumps
+from wire.h2websocket import H2WebSocket, WebSocketClosed
+from wire.service import (
     BytesResponse,
     Dialer,
     JsonResponse,
@@ -43,12 +45,10 @@ from agent.wire.service import (
     StreamResponse,
     bearer_token,
 )
-from control.api.endpoints import EndpointProxy, upstream_target
-from control.api.watch import watch_list, watch_value
-from control.limits import TenantGuard, active_tasks_refusal, spec_refusal, token_key
-from control.models import TaskList, TaskRequest, TaskSnapshot, TaskState, TaskView
-from control.tasks.dispatch import CLEANUP_S, SCHEDULE_EVERY_S, Dispatcher, WorkerLost
-from control.tasks.store import ACTIVE_ON_WORKER, TaskRecord, TaskSpec
+from workerapi.digests import parse_digest
+from workerapi.models import VolumeSpec
+from workerapi.reference import local_registry_refusal, parse_reference
+from workerapi.validation import canonical_mount_path
 
 log = logging.getLogger("levers9.tasks")
 

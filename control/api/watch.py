@@ -20,10 +20,10 @@ from typing import Any
 import attrs
 import trio
 
-from agent.wire.errors import dumps
-from agent.wire.service import StreamResponse
 from control.limits import WatchSlot
 from control.models import TaskList, TaskView
+from wire.errors import dumps
+from wire.service import StreamResponse
 
 WATCH_REFRESH_S = 30.0
 """A watch reads again at least this often, for a change it was not told of; what it reads is

@@ -27,10 +27,6 @@ from typing import Any, TypeVar
 
 import trio
 
-from agent.api.models import ExecRequest, ExecResize, LogLine, WorkerInfo
-from agent.wire.client import ApiClient, OpeningStream, WorkerUnavailable, open_api_client
-from agent.wire.connection import H2ByteStream, KeepaliveConfig, StreamRefused
-from agent.wire.tls import TLSStream, verifying_client_context
 from control.models import (
     MachineList,
     PoolList,
@@ -42,6 +38,10 @@ from control.models import (
     TaskView,
     WorkerList,
 )
+from wire.client import ApiClient, OpeningStream, WorkerUnavailable, open_api_client
+from wire.connection import H2ByteStream, KeepaliveConfig, StreamRefused
+from wire.tls import TLSStream, verifying_client_context
+from workerapi.models import ExecRequest, ExecResize, LogLine, WorkerInfo
 
 T = TypeVar("T")
 
@@ -117,7 +117,7 @@ class ControlClient(ApiClient):
     ) -> int:
         """Run a process in the task's container; its output goes to `on_output(channel,
         data)` (1 stdout, 2 stderr; a TTY sends both on 1); returns its exit code."""
-        from agent.api.exec import run_exec
+        from workerapi.exec import run_exec
 
         ws = await self.open_websocket(_task_path(task_id, "exec"))
         try:

@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from agent.wire.errors import unstructure
 from control.cli.common import client_from_args, timed
 from control.cli.output import POOL_HEADERS, pool_row, show_list
 from control.cli.parse import POOL_NAME, parse_selector
 from control.cli.usage import CliError, UsageError
+from wire.errors import unstructure
 
 
 def _join_checks(args: argparse.Namespace) -> None:

@@ -15,7 +15,6 @@ from collections.abc import (
 
 import trio
 
-from agent.api.models import ExecRequest, ExecResize
 from control.cli.client import ControlClient
 from control.cli.common import (
     STDIN_CHUNK_BYTES,
@@ -25,6 +24,7 @@ from control.cli.common import (
 )
 from control.cli.output import Console, has_fileno, isatty
 from control.cli.usage import EXIT_INTERRUPTED, UsageError
+from workerapi.models import ExecRequest, ExecResize
 
 
 class FdReader:

@@ -18,7 +18,6 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from agent.wire.errors import ApiError, ErrorCode
 from control.cli.client import open_control_client
 from control.cli.common import timed
 from control.cli.contexts import (
@@ -34,6 +33,7 @@ from control.cli.contexts import (
 )
 from control.cli.output import isatty, show_list
 from control.cli.usage import CliError, UsageError
+from wire.errors import ApiError, ErrorCode
 
 CONTEXT_HEADERS = ("current", "name", "controlplane", "ca")
 

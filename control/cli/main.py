@@ -26,7 +26,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from agent import __version__
 from control.cli.usage import (
     CALL_TIMEOUT_S,
     DEFAULT_WAIT_S,
@@ -37,6 +36,7 @@ from control.cli.usage import (
     UsageError,
     split_command,
 )
+from workerapi import __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -309,9 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported once a command is chosen: --help and usage errors never load them.
     import trio
 
-    from agent.wire.errors import ApiError
     from control.cli.client import ControlClientError
     from control.cli.common import token_flag_warning
+    from wire.errors import ApiError
 
     func = _command(args.func)
     warning = token_flag_warning(args, sys.stdin, sys.stderr)

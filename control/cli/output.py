@@ -20,9 +20,9 @@ from typing import Any, TextIO, TypeVar
 
 import attrs
 
-from agent.api.models import LogLine, PullStatus, WorkerSummary
-from agent.wire.errors import unstructure
 from control.models import MachineView, PoolView, TaskState, TaskView
+from wire.errors import unstructure
+from workerapi.models import LogLine, PullStatus, WorkerSummary
 
 T = TypeVar("T")
 

@@ -13,9 +13,9 @@ from collections.abc import (
 from decimal import Decimal
 from typing import Any
 
-from agent.wire.errors import ApiError
 from control.cli.usage import UsageError
 from control.models import TaskRequest, TaskState, TaskVolume
+from wire.errors import ApiError
 
 TASK_STATES = tuple(state.value for state in TaskState)
 
@@ -173,7 +173,7 @@ def request_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> T
         raise UsageError("--port lists a port more than once; give each port once")
     snapshot = None
     if args.snapshot is not None:
-        from agent.api.digests import parse_digest
+        from workerapi.digests import parse_digest
 
         try:
             snapshot = parse_digest(args.snapshot, field="--snapshot")

@@ -6,12 +6,12 @@ import argparse
 
 import trio
 
-from agent.wire.errors import ApiError
 from control.cli.client import ControlClient
 from control.cli.common import client_from_args, interruptible, timed
 from control.cli.output import Console
 from control.cli.parse import parse_local, parse_port
 from control.cli.usage import CliError
+from wire.errors import ApiError
 
 
 def _address(host: str, port: int) -> str:
@@ -31,7 +31,7 @@ async def forward_port(
     """Listen on `host:local_port` and carry each accepted connection to `port` of the task,
     every one over the client's one HTTP/2 connection, until cancelled. Reports the
     addresses it listens on through `task_status`."""
-    from agent.wire.service import splice
+    from wire.service import splice
 
     try:
         listeners = await trio.open_tcp_listeners(local_port, host=host)

@@ -11,7 +11,6 @@ import time
 
 import trio
 
-from agent.wire.errors import ApiError, unstructure
 from control.cli.client import ControlClient
 from control.cli.common import (
     POLL_INTERVAL_S,
@@ -34,6 +33,7 @@ from control.cli.output import (
 from control.cli.parse import parse_count, parse_seconds, parse_states, request_from_args
 from control.cli.usage import EXIT_DEADLINE, EXIT_INTERRUPTED
 from control.models import TaskState, TaskView
+from wire.errors import ApiError, unstructure
 
 
 def _follow_hint(task_id: str) -> str:

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 
-from agent.wire.errors import unstructure
 from control.cli.common import client_from_args, timed
 from control.cli.output import (
     MACHINE_HEADERS,
@@ -16,6 +15,7 @@ from control.cli.output import (
     show_list,
     worker_row,
 )
+from wire.errors import unstructure
 
 
 async def worker_list(args: argparse.Namespace) -> None:

@@ -59,8 +59,6 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
-from agent.wire.errors import ApiError, ErrorCode
 from control.kube.podsecurity import PRIVILEGED_LABELS, refusal_advice
 from control.kube.pools import (
     DEFAULT_BURST,
@@ -76,6 +74,8 @@ from control.kube.pools import (
     read_credentials,
 )
 from control.kube.ratelimit import TokenBucket
+from wire.backoff import Backoff, BackoffState, next_delay, record_failure
+from wire.errors import ApiError, ErrorCode
 
 __all__ = [
     "KINDS",

@@ -34,7 +34,6 @@ from typing import Any
 import attrs
 import trio
 
-from agent.wire.backoff import BackoffState, next_delay, record_failure
 from control.kube.adapter import (
     Collection,
     KubeClient,
@@ -57,6 +56,7 @@ from control.kube.planner import (
     pod_facts,
 )
 from control.kube.pools import PoolConfig
+from wire.backoff import BackoffState, next_delay, record_failure
 
 __all__ = ["ClusterCaches", "Clusters", "PoolCaches", "PoolCluster", "cluster_key"]
 

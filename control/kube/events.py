@@ -34,9 +34,9 @@ from typing import Any, Protocol
 
 import attrs
 
-from agent.wire.errors import ErrorCode
 from control.kube.adapter import KubeAuthError, KubeError, KubeNotFound
 from control.kube.ratelimit import TokenBucket
+from wire.errors import ErrorCode
 
 __all__ = [
     "COMPONENT",

@@ -58,8 +58,6 @@ from typing import Any, Generic, Protocol, TypeVar
 import attrs
 import trio
 
-from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
-from agent.wire.errors import ErrorCode
 from control.kube.adapter import (
     Collection,
     KubeError,
@@ -69,6 +67,8 @@ from control.kube.adapter import (
     WatchResponse,
     object_key,
 )
+from wire.backoff import Backoff, BackoffState, next_delay, record_failure
+from wire.errors import ErrorCode
 
 __all__ = [
     "BOOKMARK_PERIOD_S",

@@ -36,7 +36,6 @@ from typing import Any
 import attrs
 import trio
 
-from agent.wire.errors import ErrorCode
 from control.kube.adapter import (
     KubeconfigCluster,
     KubeconfigError,
@@ -56,6 +55,7 @@ from control.kube.podsecurity import (
     label_command,
 )
 from control.kube.podsecurity import namespace_refusal as pod_security_refusal
+from wire.errors import ErrorCode
 
 __all__ = [
     "CLUSTER_RULES",

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 import yaml
 
-from agent.wire.errors import ApiError, ErrorCode
 from control.config import ConfigError, JoinedPoolsSettings
 from control.kube.adapter import KubeAlreadyExists, KubeNotFound
 from control.kube.pools import PoolConfig, load_pools, own_cluster_pool
+from wire.errors import ApiError, ErrorCode
 
 __all__ = ["JoinedPoolStore", "SecretApi", "own_cluster", "pool_of_secret", "secret_of_pool"]
 

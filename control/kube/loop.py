@@ -39,8 +39,6 @@ from typing import Any
 import attrs
 import trio
 
-from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
-from agent.wire.errors import ApiError, ErrorCode
 from control.kube.adapter import KubeAlreadyExists, KubeApi, KubeError, KubeNotFound
 from control.kube.caches import PoolCaches, PoolCluster
 from control.kube.events import EventRecorder
@@ -76,7 +74,9 @@ from control.kube.planner import (
 from control.kube.podsecurity import EVENTS_SELECTOR, refused_nodes
 from control.kube.pools import PoolConfig
 from control.models import WorkerState
-from control.registry import WorkerRegistry
+from control.workers.registry import WorkerRegistry
+from wire.backoff import Backoff, BackoffState, next_delay, record_failure
+from wire.errors import ApiError, ErrorCode
 
 log = logging.getLogger("levers9.reconcile")
 

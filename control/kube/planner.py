@@ -26,8 +26,8 @@ from typing import Any
 
 import attrs
 
-from agent.wire.errors import ApiError, ErrorCode
 from control.models import WorkerState
+from wire.errors import ApiError, ErrorCode
 
 GPU_RESOURCE = "nvidia.com/gpu"
 NAME_LABEL = "app.kubernetes.io/name"

@@ -34,8 +34,8 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
-from agent.wire.errors import make_converter
 from control.config import ConfigError, strict_bool
+from wire.errors import make_converter
 
 __all__ = [
     "ClientCertificateCredentials",

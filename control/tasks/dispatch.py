@@ -28,12 +28,8 @@ from typing import TypeVar
 import attrs
 import trio
 
-from agent.api.client import WorkerClient
-from agent.api.models import ContainerSpec, ContainerStatus, Resources
-from agent.wire.backoff import Backoff, BackoffState, next_delay, record_failure
-from agent.wire.errors import ApiError, ErrorCode, dumps
+from control.db.base import TaskStoreError
 from control.models import TaskSnapshot, TaskState, TaskView
-from control.registry import WorkerEntry, WorkerRegistry
 from control.tasks.scheduler import (
     MachineSize,
     PendingTask,
@@ -54,10 +50,14 @@ from control.tasks.store import (
     Start,
     TaskRecord,
     TaskStore,
-    TaskStoreError,
     TransitionError,
 )
+from control.workers.registry import WorkerEntry, WorkerRegistry
 from control.workspaces import Workspaces
+from wire.backoff import Backoff, BackoffState, next_delay, record_failure
+from wire.errors import ApiError, ErrorCode, dumps
+from workerapi.client import WorkerClient
+from workerapi.models import ContainerSpec, ContainerStatus, Resources
 
 log = logging.getLogger("levers9.dispatch")
 T = TypeVar("T")

@@ -4,8 +4,8 @@ Two halves. The task state machine is a table keyed by (state, event type); `tra
 pure function over it, so every allowed and refused move is unit-tested without a database.
 `TaskStore` persists records so they survive a controlplane restart and scopes every call to a
 workspace, over one of two databases behind the `Database` interface: one SQLite file (the
-embedded default, `control.tasks.sqlite`) or PostgreSQL (`control.tasks.postgres`, for several
-controlplane replicas), chosen by `config.database` (`control.tasks.databases`). Both speak
+embedded default, `control.db.sqlite`) or PostgreSQL (`control.db.postgres`, for several
+controlplane replicas), chosen by `config.database` (`control.db.open`). Both speak
 the same SQL (written with `?` placeholders; the PostgreSQL side rewrites them), run each call
 as one transaction in a worker thread, check their schema version at open (a newer one is
 refused, older ones are migrated), and turn their errors into `ApiError`s.
@@ -27,17 +27,19 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, ClassVar, TypeVar
 
 import attrs
 import trio
 
-from agent.api.models import VolumeSpec
-from agent.api.validation import canonical_mount_path, check_c_string, check_env_name
-from agent.wire.errors import ApiError, ErrorCode, dumps, structure
-from control.database import Database, Tx
+from control.db.base import CasConflict, Database, TaskStoreError, Tx
+from control.db.open import DatabaseWhere, open_database
 from control.models import TaskState
+from wire.errors import ApiError, ErrorCode, dumps, structure
+from workerapi.models import VolumeSpec
+from workerapi.validation import canonical_mount_path, check_c_string, check_env_name
 
 T = TypeVar("T")
 
@@ -295,10 +297,6 @@ CAS_ATTEMPTS = 8
 """How often a state change is tried again after another writer moved the row first."""
 
 
-class TaskStoreError(ApiError):
-    """The task database could not be used (locked, unreachable, from a newer controlplane)."""
-
-
 def _new_id() -> str:
     return f"t-{secrets.token_hex(6)}"
 
@@ -348,23 +346,6 @@ def _not_found(task_id: str) -> ApiError:
         f"task {task_id!r} not found in this workspace; list tasks to see their ids",
         field="id",
     )
-
-
-def migrations_due(version: int, known: int, where: str) -> range:
-    """The numbers of the migrations a database at schema `version` needs to reach `known`;
-    a database from a newer controlplane is refused."""
-    if version > known:
-        raise TaskStoreError(
-            ErrorCode.FAILED_PRECONDITION,
-            f"task database {where} has schema version {version}, newer than "
-            f"this controlplane knows ({known}); run a controlplane at least as "
-            "new as the one that wrote it",
-        )
-    return range(version + 1, known + 1)
-
-
-class CasConflict(Exception):
-    """The row changed between our read and our write: read again."""
 
 
 def _update(tx: Tx, record: TaskRecord, version: int) -> None:
@@ -677,3 +658,18 @@ class TaskStore:
             return tuple(lost)
 
         return await self._change(mark)
+
+
+@asynccontextmanager
+async def open_task_store(
+    where: DatabaseWhere, *, clock: Callable[[], float] = time.time
+) -> AsyncIterator[TaskStore]:
+    """The task store in `where`: the database settings (PostgreSQL when they give a URL, else
+    the SQLite file at their path), or a SQLite file's path."""
+    db = await open_database(where)
+    store = TaskStore(db, clock)
+    try:
+        yield store
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()

@@ -22,8 +22,6 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.service import BytesResponse, Request, Router
 from control.ui.session import (
     cleared_cookie,
     cookie_safe,
@@ -33,6 +31,8 @@ from control.ui.session import (
     session_cookie,
 )
 from control.ui.sessions import SessionStore
+from wire.errors import ApiError, ErrorCode
+from wire.service import BytesResponse, Request, Router
 
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from control.database import Database, Tx
+from control.db.base import Database, Tx
 from control.ui.session import (
     SessionLimits,
     SessionRow,

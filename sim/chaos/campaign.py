@@ -36,9 +36,9 @@ from typing import Any
 import attrs
 import trio
 
-from agent.wire.signals import run_until_signalled
 from control.kube.planner import job_active
 from control.models import TaskState, TaskView
+from proc.signals import run_until_signalled
 from sim.chaos.faults import Injected, Installation, NodeInfo, inject
 from sim.chaos.invariants import (
     TaskEnd,

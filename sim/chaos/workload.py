@@ -25,10 +25,10 @@ from typing import TypeVar
 import attrs
 import trio
 
-from agent.api.models import ExecRequest
-from agent.wire.errors import ApiError, ErrorCode
 from control.cli.client import ControlClient, ControlClientError
 from control.models import TaskRequest, TaskSnapshot, TaskView, TaskVolume
+from wire.errors import ApiError, ErrorCode
+from workerapi.models import ExecRequest
 
 __all__ = ["KINDS", "Images", "TaskTrack", "Workload"]
 

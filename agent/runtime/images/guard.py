@@ -23,8 +23,8 @@ from typing import Any
 import httpcore
 import trio
 
-from agent.api.reference import ImageError, local_registry_refusal
-from agent.wire.errors import ErrorCode
+from wire.errors import ErrorCode
+from workerapi.reference import ImageError, local_registry_refusal
 
 
 def parse_fib_trie(text: str) -> set[str]:

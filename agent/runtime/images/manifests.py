@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
-from agent.api.reference import ANY_DIGEST_RE, DIGEST_RE, ImageError
-from agent.wire.errors import ErrorCode
+from wire.errors import ErrorCode
+from workerapi.reference import ANY_DIGEST_RE, DIGEST_RE, ImageError
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

@@ -36,16 +36,6 @@ import attrs
 import httpx
 import trio
 
-from agent.api.digests import DigestMismatch
-from agent.api.reference import (
-    DIGEST_RE,
-    PULL_POLICIES,
-    ImageError,
-    ImageReference,
-    is_loopback,
-    registry_address,
-    registry_scheme,
-)
 from agent.runtime.images.auth import (
     MAX_TOKEN_BYTES,
     TOKEN_MARGIN_S,
@@ -73,7 +63,17 @@ from agent.runtime.images.manifests import (
 )
 from agent.runtime.images.tags import TagIndex
 from agent.store.objects import ObjectCorrupt, ObjectStore
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
+from workerapi.digests import DigestMismatch
+from workerapi.reference import (
+    DIGEST_RE,
+    PULL_POLICIES,
+    ImageError,
+    ImageReference,
+    is_loopback,
+    registry_address,
+    registry_scheme,
+)
 
 log = logging.getLogger("levers9.images")
 _CLOSE_S = 5.0

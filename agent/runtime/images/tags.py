@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trio
 
-from agent.api.reference import (
+from workerapi.reference import (
     DIGEST_RE,
 )
 

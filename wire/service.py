@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from agent.wire.client import OpeningStream
-from agent.wire.connection import BodyTooLarge, H2ByteStream, H2Stream, Headers, StreamError
-from agent.wire.errors import ApiError, ErrorCode, dumps, loads
-from agent.wire.h2websocket import H2WebSocket
-from agent.wire.untrusted import clip
+from wire.client import OpeningStream
+from wire.connection import BodyTooLarge, H2ByteStream, H2Stream, Headers, StreamError
+from wire.errors import ApiError, ErrorCode, dumps, loads
+from wire.h2websocket import H2WebSocket
+from wire.untrusted import clip
 
 log = logging.getLogger("levers9.api")
 T = TypeVar("T")
@@ -130,7 +130,7 @@ Observer = Callable[[str, str, int, float], None]
 """Told of every request once it is answered: (method, route pattern, status, seconds). The
 route is the pattern (`/v1/tasks/{id}`), never the path, so what counts requests stays
 bounded; `CONNECT` for a plain CONNECT and `unmatched` before any route was found. The method is
-the client's own: make it a label only through `agent.wire.untrusted.method_label`."""
+the client's own: make it a label only through `wire.untrusted.method_label`."""
 UNMATCHED = "unmatched"
 
 

@@ -1,10 +1,11 @@
-"""In-process agent settings for tests that run an agent beside a controlplane of `sim`."""
+"""In-process agent settings for the tests and benchmarks that run an agent beside a controlplane
+of `sim`: the agent's own config type, filled as the worker Job's environment would fill it."""
 
 from __future__ import annotations
 
 from agent.daemon.config import AgentConfig, TunnelConfig
-from agent.wire.connection import KeepaliveConfig
 from sim.configs import WORKER_TOKENS, Pki
+from wire.connection import KeepaliveConfig
 
 
 def agent_config(

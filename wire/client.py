@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import h2.errors
 import trio
 
-from agent.wire.connection import (
+from wire.connection import (
     ConnectionLost,
     H2ByteStream,
     H2Stream,
@@ -27,11 +27,11 @@ from agent.wire.connection import (
     StreamReset,
     header_value,
 )
-from agent.wire.errors import ApiError, ErrorBody, ErrorCode, dumps, loads, structure
-from agent.wire.http2 import Http2Settings
+from wire.errors import ApiError, ErrorBody, ErrorCode, dumps, loads, structure
+from wire.http2 import Http2Settings
 
 if TYPE_CHECKING:
-    from agent.wire.h2websocket import H2WebSocket
+    from wire.h2websocket import H2WebSocket
 
 T = TypeVar("T")
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -260,7 +260,7 @@ class ApiClient:
             *self._credentials(),
             (b"sec-websocket-version", b"13"),
         ]
-        from agent.wire.h2websocket import H2WebSocket  # wsproto, for exec only
+        from wire.h2websocket import H2WebSocket  # wsproto, for exec only
 
         return H2WebSocket(await self._open_tunnel(headers), client_side=True)
 

@@ -7,7 +7,7 @@ client supplies reaches either as it came:
 
 - a metric label takes its value from a fixed set: `method_label` maps a method to one of
   `METHODS` or `OTHER`, `status_label` a status code to its number (a bounded set) or `OTHER`;
-  routes are the router's patterns (`agent.wire.service.Router`), never a path;
+  routes are the router's patterns (`wire.service.Router`), never a path;
 - a log line takes `clip(value)`: at most `CLIP_CHARS` characters, then a marker saying how
   many more there were, so the reader knows the value was longer.
 

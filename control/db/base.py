@@ -2,8 +2,9 @@
 thread, and word of other replicas' changes.
 
 Why a module of its own: the task records (`control.tasks`) and the replicas' directory
-(`control.replicas`) keep their tables in the same database, and neither should import the
-other to name it. `control.tasks.sqlite` and `control.tasks.postgres` implement it.
+(`control.workers`) keep their tables in the same database, and neither should import the
+other to name it. `control.db.sqlite` and `control.db.postgres` implement it; their errors are
+translated into `TaskStoreError` here, where every owner of a table can name them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-__all__ = ["Database", "Rows", "Tx"]
+from wire.errors import ApiError, ErrorCode
+
+__all__ = ["CasConflict", "Database", "Rows", "TaskStoreError", "Tx", "migrations_due"]
 
 T = TypeVar("T")
 
@@ -65,3 +68,24 @@ class Database(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+class TaskStoreError(ApiError):
+    """The task database could not be used (locked, unreachable, from a newer controlplane)."""
+
+
+def migrations_due(version: int, known: int, where: str) -> range:
+    """The numbers of the migrations a database at schema `version` needs to reach `known`;
+    a database from a newer controlplane is refused."""
+    if version > known:
+        raise TaskStoreError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"task database {where} has schema version {version}, newer than "
+            f"this controlplane knows ({known}); run a controlplane at least as "
+            "new as the one that wrote it",
+        )
+    return range(version + 1, known + 1)
+
+
+class CasConflict(Exception):
+    """The row changed between our read and our write: read again."""

@@ -19,9 +19,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from agent.wire.errors import ErrorCode
-from control.database import Rows, Tx
-from control.tasks.store import TaskStoreError, migrations_due
+from control.db.base import Rows, TaskStoreError, Tx, migrations_due
+from wire.errors import ErrorCode
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "SqliteDatabase", "open_sqlite"]
 
@@ -62,7 +61,7 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE tasks ADD COLUMN version INTEGER NOT NULL DEFAULT 1;
     """,
-    # 4: the replicas and which of them owns each worker (control.replicas.directory).
+    # 4: the replicas and which of them owns each worker (control.workers.directory).
     """
     CREATE TABLE replicas (
         id TEXT PRIMARY KEY,

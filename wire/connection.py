@@ -39,9 +39,9 @@ import h2.events
 import h2.exceptions
 import trio
 
-from agent.wire.http2 import Http2Protocol, Http2Settings, ProtocolViolation
-from agent.wire.parts import send_parts
-from agent.wire.untrusted import clip
+from wire.http2 import Http2Protocol, Http2Settings, ProtocolViolation
+from wire.parts import send_parts
+from wire.untrusted import clip
 
 log = logging.getLogger("levers9.http2")
 

@@ -42,8 +42,8 @@ from typing import Any, Literal, cast, overload
 import attrs
 import trio
 
-from agent.wire.conflict import ConflictDetector
-from agent.wire.parts import Buffer
+from wire.conflict import ConflictDetector
+from wire.parts import Buffer
 
 __all__ = [
     "CLOSE_NOTIFY_TIMEOUT_S",

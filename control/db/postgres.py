@@ -30,10 +30,9 @@ import psycopg
 import psycopg_pool
 import trio
 
-from agent.wire.errors import ApiError, ErrorCode
 from control.config import DatabaseSettings
-from control.database import Rows, Tx
-from control.tasks.store import CasConflict, TaskStoreError, migrations_due
+from control.db.base import CasConflict, Rows, TaskStoreError, Tx, migrations_due
+from wire.errors import ApiError, ErrorCode
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresDatabase", "open_postgres"]
 
@@ -68,7 +67,7 @@ MIGRATIONS: tuple[str, ...] = (
         lines BYTEA NOT NULL
     );
     """,
-    # 2: the replicas and which of them owns each worker (control.replicas.directory).
+    # 2: the replicas and which of them owns each worker (control.workers.directory).
     """
     CREATE TABLE replicas (
         id TEXT PRIMARY KEY,

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
 
 DOCKER_HUB = "registry-1.docker.io"
 """Where Docker Hub's registry API lives; `busybox` means `registry-1.docker.io/library/busybox`."""

@@ -6,7 +6,7 @@ import re
 
 import attrs
 
-from agent.wire.errors import ApiError, ErrorCode
+from wire.errors import ApiError, ErrorCode
 
 DIGEST_PREFIX = "sha256:"
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")

@@ -19,7 +19,7 @@ tunnel that just arrived here: an agent keeps exactly one) from whoever held it.
 replicas' wall clocks; a lease of 15 s leaves room for clocks a few seconds apart.
 
 Everything here is one short transaction through `Database.run`; nothing is cached, the
-callers (`control.registry`) keep what they read.
+callers (`control.workers.registry`) keep what they read.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from control.database import Database, Tx
+from control.db.base import Database, Tx
 
 __all__ = ["Directory", "OwnerAddress", "WorkerRow", "token_hash"]
 

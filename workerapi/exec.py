@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from agent.api.models import ExecExit, ExecRequest, ExecResize
-from agent.wire.errors import ApiError, ErrorBody, ErrorCode, dumps, loads
-from agent.wire.h2websocket import H2WebSocket, WebSocketClosed
+from wire.errors import ApiError, ErrorBody, ErrorCode, dumps, loads
+from wire.h2websocket import H2WebSocket, WebSocketClosed
+from workerapi.models import ExecExit, ExecRequest, ExecResize
 
 if TYPE_CHECKING:
     pass

@@ -8,12 +8,12 @@ reconnecting. When a tunnel is replaced (maximum age, reconnect), new requests t
 one while the old one drains.
 
 With several replicas (`Replication`), what one replica learns is kept in the directory
-(`control.replicas.directory`) for the others: each worker's token as a hash (a tunnel is
+(`control.workers.directory`) for the others: each worker's token as a hash (a tunnel is
 authenticated wherever it lands), its registration, and which replica owns it. The owner holds
 its tunnel (taken by force when a tunnel arrives: an agent keeps exactly one), or for a direct
 worker or a worker with tasks and no live owner, took it when nobody held it. Only the owner
 schedules onto a worker and watches its tasks; `client_for` on any other replica gives a
-client whose requests the owner forwards (`control.replicas.forward`), and a direct worker is
+client whose requests the owner forwards (`control.workers.forward`), and a direct worker is
 dialed by any replica that knows its token. `sync` (every third of the lease) renews this
 replica's claims and reads everyone else's.
 """
@@ -29,13 +29,13 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import attrs
 import trio
 
-from agent.api.client import WorkerClient
-from agent.api.models import CardInfo, Registration, WorkerInfo, WorkerSummary
-from agent.wire.connection import Http2Connection, KeepaliveConfig
-from agent.wire.errors import ApiError, ErrorCode
-from agent.wire.http2 import Http2Settings
-from control.replicas.directory import Directory, OwnerAddress, WorkerRow, token_hash
-from control.replicas.forward import Peers, dial_pinned
+from control.workers.directory import Directory, OwnerAddress, WorkerRow, token_hash
+from control.workers.forward import Peers, dial_pinned
+from wire.connection import Http2Connection, KeepaliveConfig
+from wire.errors import ApiError, ErrorCode
+from wire.http2 import Http2Settings
+from workerapi.client import WorkerClient
+from workerapi.models import CardInfo, Registration, WorkerInfo, WorkerSummary
 
 log = logging.getLogger("levers9.registry")
 

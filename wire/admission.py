@@ -3,7 +3,7 @@ that bound what one connection may cost before it has sent a request.
 
 Both listeners (the controlplane's public endpoint and a direct agent's) ask `Admissions.admit`
 right after accept, before TLS: the cheapest moment to say no, since a refused connection costs
-one accept and one close. The core is sans-IO, as `agent.wire.http2` is: plain counters, time
+one accept and one close. The core is sans-IO, as `wire.http2` is: plain counters, time
 passed in, tested without a socket. The listener carries the decision out (close, or serve and
 `release` when done) and logs refusals through a `ReportThrottle`, so a flood of refused
 connections is one line per source per minute, not a flood of lines.
@@ -23,7 +23,7 @@ import resource
 
 import attrs
 
-from agent.wire.untrusted import clip
+from wire.untrusted import clip
 
 log = logging.getLogger("levers9.connections")
 

@@ -12,7 +12,7 @@ HTTP/2 in the same scheduler pass that read it, and backpressure is the transpor
 are answered and close frames handled on that same path.
 
 `open_websocket` (the agent's side) and `read_upgrade` (the controlplane's) run the opening
-handshake; the framing and the handshake's parsing are `agent.wire.websocket`'s, sans-IO.
+handshake; the framing and the handshake's parsing are `wire.websocket`'s, sans-IO.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import NoReturn
 import attrs
 import trio
 
-from agent.wire.conflict import ConflictDetector
-from agent.wire.parts import Buffer, send_parts
-from agent.wire.websocket import (
+from wire.conflict import ConflictDetector
+from wire.parts import Buffer, send_parts
+from wire.websocket import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     OP_BINARY,
@@ -144,7 +144,7 @@ class WebSocketStream(trio.abc.Stream):
 
     async def send_parts(self, parts: Sequence[Buffer]) -> None:
         """`send_all` of the parts joined, as one frame whose payload pieces are masked where
-        they lie and handed on as pieces (see `agent.wire.parts`)."""
+        they lie and handed on as pieces (see `wire.parts`)."""
         if sum(len(part) for part in parts) > WS_MAX_SEND_BYTES:
             await self.send_all(b"".join(parts))
             return

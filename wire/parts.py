@@ -1,7 +1,7 @@
 """Writing several buffers as one write, without joining them first.
 
 An HTTP/2 connection queues a large DATA payload as the bytes object it came as, beside its
-9-byte frame header (`agent.wire.http2`). Joining the two to write them would copy the payload
+9-byte frame header (`wire.http2`). Joining the two to write them would copy the payload
 once more; the streams under the connection that can take the pieces as they are (our TLS
 stream, and our WebSocket stream over it) say so by having `send_parts`, and the payload then
 reaches the cipher, or the WebSocket mask, uncopied.

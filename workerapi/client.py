@@ -3,7 +3,7 @@
 One `WorkerClient` per worker connection. It knows nothing of how the connection came to be:
 the controlplane dials the worker (direct mode, TLS with the worker's certificate pinned) or
 accepts the worker's tunnel and runs HTTP/2 inside it with the roles reversed; either way
-it hands a stream to `open_worker_client`. Typed methods return the models of `agent.api.models`;
+it hands a stream to `open_worker_client`. Typed methods return the models of `workerapi.models`;
 every failure is an `ApiError` with a stable code (UNAVAILABLE when the worker can't be
 reached, so callers can retry elsewhere).
 """
@@ -20,8 +20,25 @@ from typing import Protocol
 import h2.errors
 import trio
 
-from agent.api.digests import DIGEST_PREFIX, DigestMismatch, StoredObject, parse_digest
-from agent.api.models import (
+from wire.client import (
+    ApiClient,
+    OpeningStream,
+    Response,
+    WorkerUnavailable,
+    error_from_body,
+    open_api_client,
+)
+from wire.connection import (
+    H2ByteStream,
+    H2Stream,
+    KeepaliveConfig,
+    StreamError,
+    StreamReset,
+)
+from wire.errors import ApiError, ErrorCode, loads
+from wire.http2 import Http2Settings
+from workerapi.digests import DIGEST_PREFIX, DigestMismatch, StoredObject, parse_digest
+from workerapi.models import (
     ContainerList,
     ContainerSpec,
     ContainerStatus,
@@ -32,23 +49,6 @@ from agent.api.models import (
     StopRequest,
     WorkerInfo,
 )
-from agent.wire.client import (
-    ApiClient,
-    OpeningStream,
-    Response,
-    WorkerUnavailable,
-    error_from_body,
-    open_api_client,
-)
-from agent.wire.connection import (
-    H2ByteStream,
-    H2Stream,
-    KeepaliveConfig,
-    StreamError,
-    StreamReset,
-)
-from agent.wire.errors import ApiError, ErrorCode, loads
-from agent.wire.http2 import Http2Settings
 
 
 class ObjectSink(Protocol):
@@ -241,7 +241,7 @@ class WorkerClient(ApiClient):
     ) -> int:
         """Run a process in the container; its output goes to `on_output(channel, data)`
         (1 stdout, 2 stderr); returns its exit code."""
-        from agent.api.exec import run_exec
+        from workerapi.exec import run_exec
 
         ws = await self.open_websocket(_container_path(container_id, "exec"))
         try:

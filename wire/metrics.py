@@ -17,7 +17,7 @@ gains nothing from keep-alive, and a closed connection holds nothing. A connecti
 `MAX_HEAD_BYTES`, with 431) and as long again to take the answer, and one that sends nothing
 for `idle_timeout_s` is closed sooner, so a slow or silent client cannot hold the server. Beyond
 `max_connections` open at once (`MAX_CONNECTIONS`), or `max_per_source` from one address
-(`MAX_CONNECTIONS_PER_SOURCE`), new ones are closed on arrival (`agent.wire.admission`
+(`MAX_CONNECTIONS_PER_SOURCE`), new ones are closed on arrival (`wire.admission`
 decides): idle connections from one address cannot take every place and starve the scrape that
 comes from another, and each holds its place only seconds.
 
@@ -37,7 +37,7 @@ import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from agent.wire.admission import (
+from wire.admission import (
     Admissions,
     ConnectionLimits,
     ConnectionLog,

@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 import h2.errors
 import trio
 
-from agent.api.client import WorkerClient
-from agent.wire.connection import (
+from control.workers.directory import OwnerAddress
+from wire.connection import (
     ConnectionLost,
     H2Stream,
     Headers,
@@ -34,11 +34,11 @@ from agent.wire.connection import (
     StreamError,
     StreamReset,
 )
-from agent.wire.errors import ApiError, ErrorCode, dumps
-from agent.wire.http2 import Http2Settings
-from agent.wire.tls import PinMismatchError, TLSStream, pinned_client_context
-from agent.wire.untrusted import clip
-from control.replicas.directory import OwnerAddress
+from wire.errors import ApiError, ErrorCode, dumps
+from wire.http2 import Http2Settings
+from wire.tls import PinMismatchError, TLSStream, pinned_client_context
+from wire.untrusted import clip
+from workerapi.client import WorkerClient
 
 __all__ = [
     "WORKER_HEADER",

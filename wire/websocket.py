@@ -9,7 +9,7 @@ compiled code, websockets' ``apply_mask``, which measured 25 times wsproto's on 
 
 The opening handshake is plain HTTP/1.1, parsed by h11 (python-hyper's sans-IO parser), which
 also keeps what arrived after the handshake's head: the peer's first frames may come in the same
-read. Nothing here does I/O; `agent.wire.wsstream` drives these objects over a trio stream.
+read. Nothing here does I/O; `wire.wsstream` drives these objects over a trio stream.
 """
 
 from __future__ import annotations

@@ -515,28 +515,34 @@ async def measure_round_trips(
 async def measure_stream(
     open_stream: OpenStream, *, count: int, message_bytes: int = 64, rate_hz: float = 1000.0
 ) -> list[float]:
-    """Seconds from sending each message to receiving its echo, for `count` messages of
-    `message_bytes` sent at `rate_hz` on one echo stream without waiting for the echoes: a token
-    stream's or a terminal's pace, data moving both ways at once. One untimed exchange first."""
+    """Seconds from each message's slot in the schedule to receiving its echo, for `count`
+    messages of `message_bytes` sent at `rate_hz` on one echo stream without waiting for the
+    echoes: a token stream's or a terminal's pace, data moving both ways at once. One untimed
+    exchange first.
+
+    A message is timed from when it was due, not from when the sender got to send it: a sender
+    held up (a full window, a stalled path) sends late, and timing from the late send would
+    leave the stall out of every sample (coordinated omission), so the p99 would not show it.
+    """
     message = os.urandom(message_bytes)
     samples: list[float] = []
-    sent_at = [0.0] * count
     async with await open_stream() as stream:
         await stream.send_all(b"E")
         await _exchange(stream, message)
+        # trio's clock: perf_counter's in a real run, and a test's mock clock in a test.
+        start = trio.current_time()
+        due = [start + index / rate_hz for index in range(count)]
         async with trio.open_nursery() as nursery:
 
             async def send() -> None:
-                start = trio.current_time()
-                for index in range(count):
-                    await trio.sleep_until(start + index / rate_hz)
-                    sent_at[index] = time.perf_counter()
+                for when in due:
+                    await trio.sleep_until(when)
                     await stream.send_all(message)
 
             nursery.start_soon(send)
             for index in range(count):
                 echoed = await receive_exactly(stream, message_bytes)
-                samples.append(time.perf_counter() - sent_at[index])
+                samples.append(trio.current_time() - due[index])
                 if echoed != message:
                     raise SinkProtocolError("the echo of a streamed message differs from it")
     return samples

@@ -38,10 +38,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.report import Results, publish, ratios_of
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.cli.client import ControlClient, open_control_client
 from control.config import MetricsSettings
 from sim.configs import control_config, make_pki
+from sim.controlplane import run_controlplane
 from wire.untrusted import METHODS
 
 CONNECTIONS = 4
@@ -144,7 +145,7 @@ async def run_benchmark(directory: Path, count: int) -> Results:
     config = attrs.evolve(control_config(pki), metrics=MetricsSettings(listen="127.0.0.1:0"))
     requests = random_requests(count)
     async with trio.open_nursery() as nursery:
-        control: Controlplane = await nursery.start(serve_controlplane, config)
+        control: Controlplane = await nursery.start(run_controlplane, config)
         assert control.metrics_port is not None
         url = f"https://127.0.0.1:{control.port}"
         fresh = await scrape(control.metrics_port)

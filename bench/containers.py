@@ -35,7 +35,7 @@ from agent.runtime.ocispec import write_bundle
 from bench.ingest import measure_ingest_vs_cp
 from bench.report import Results, publish, ratios_of
 from sim.registry import busybox_image, push, running_registry
-from workerapi.models import ContainerSpec
+from workerapi.models import ContainerSpec, ContainerState
 
 QUICK = {"starts": 5, "ingest_bytes": 64 << 20, "ingest_repeats": 2}
 FULL = {"starts": 20, "ingest_bytes": 256 << 20, "ingest_repeats": 3}
@@ -57,7 +57,7 @@ async def _start_ours(
         await manager.create(ContainerSpec(image=image, id=f"bench-{n}", command=("sleep", "600")))
     )
     elapsed = time.perf_counter() - began
-    assert container.state == "running"
+    assert container.state is ContainerState.RUNNING
     for phase, seconds in container.timings.items():
         phases.setdefault(phase, []).append(seconds)
     await manager.delete(container.id)

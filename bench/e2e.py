@@ -71,7 +71,7 @@ from sim.cluster import REPO, Cluster, PoolSpec, open_cluster
 from sim.kubeapi.http import start_kube_standin
 from sim.kubelet import SimNode
 from sim.registry import File, Image, build_image, busybox_image, push, running_registry
-from workerapi.models import ContainerSpec
+from workerapi.models import ContainerSpec, ContainerState
 
 
 @attrs.frozen
@@ -202,7 +202,7 @@ async def prepare_runc_bundle(workdir: Path, image: str) -> Path:
         source = await manager.wait_settled(
             await manager.create(ContainerSpec(image=image, id="source", command=("sleep", "600")))
         )
-        if source.state != "running":
+        if source.state is not ContainerState.RUNNING:
             raise BenchError(f"the anchor's source container is {source.state}, not running")
         bundle = _bare_bundle(manager, "source", workdir)
         await manager.delete("source")

@@ -49,9 +49,10 @@ from agent.daemon.register import open_controlplane_tls
 from agent.daemon.run import run_agent
 from agent.daemon.tunnel import upgrade_to_tunnel
 from bench.report import Results, publish
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.cli.client import open_control_client
 from sim.configs import API_TOKEN, Pki, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.workers import agent_config
 from wire.http2 import PREFACE, Http2Settings
 
@@ -278,7 +279,7 @@ async def open_targets(directory: Path) -> AsyncIterator[Targets]:
     """A controlplane and a direct agent in this process; the tunnel worker's token."""
     pki = make_pki(directory)
     async with trio.open_nursery() as nursery:
-        control: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+        control: Controlplane = await nursery.start(run_controlplane, control_config(pki))
         nursery.start_soon(run_agent, agent_config(pki, control.port, mode="direct"))
         with trio.fail_after(30):
             await control.registry.client_for("w-direct")

@@ -18,7 +18,9 @@ behind the Service.
   `failover_s`, the replica holding the most tunnels killed with SIGKILL until every one of its
   agents holds its tunnel on another replica (each agent reconnects with the agent's default
   backoff, 0.5 s doubling, jittered; the kill comes once every tunnel has been up for the
-  agents' stable period, 60 s, as on a cluster whose agents have run a while).
+  agents' stable period, 60 s, as on a cluster whose agents have run a while). Failover is
+  polled every `FAILOVER_POLL_S` (0.5 s), reported as `inputs.failover_poll_s`: each agent's
+  time back is late by up to one poll and one listing, the figure's resolution.
 
     python -m bench.ha [--quick] [--agents N] --json FILE
 
@@ -66,6 +68,10 @@ SEED_ENV = "LEVERS9_BENCH_HA_SEED"
 """The agents' tokens derive from it; passed to the agent processes in their environment,
 never on a command line."""
 AGENTS_PER_PROCESS = 250
+FAILOVER_POLL_S = 0.5
+"""How often failover asks which replica holds each tunnel, and so the resolution of
+`failover_s`: listing 1,000 workers costs the replica asked a few tens of milliseconds, which the
+reconnecting agents need, so it is not asked more often."""
 DEADLINE_S = 600
 
 
@@ -337,15 +343,16 @@ async def with_agents(
             await cluster.kill(owner)
             back_at: dict[str, float] = {}
             while len(back_at) < len(victims):
-                # Twice a second: listing 1,000 workers costs the replica asked a few tens of
-                # milliseconds, which the reconnecting agents need.
-                await trio.sleep(0.5)
+                await trio.sleep(FAILOVER_POLL_S)
                 now_held = await holders(cluster, other)
                 for w in victims:
                     if w not in back_at and now_held.get(w) not in (None, victim):
                         back_at[w] = time.monotonic() - killed
             failover = max(back_at.values())
-            _say(f"all {len(victims)} back on the others in {failover:.1f} s")
+            _say(
+                f"all {len(victims)} back on the others in {failover:.1f} s (polled every "
+                f"{FAILOVER_POLL_S:g} s: each time back is late by up to that plus one listing)"
+            )
         finally:
             for child in children:
                 child.send_signal(signal.SIGTERM)
@@ -394,6 +401,7 @@ async def run_benchmark(workdir: Path, plan: Plan) -> tuple[Results, dict[str, f
         "rounds": float(plan.rounds),
         "rtt_calls": float(plan.rtt_calls),
         "replicas": 3.0,
+        "failover_poll_s": FAILOVER_POLL_S,
     }
     return Results(figures=figures, anchors={}, ratios=ratios), inputs
 

@@ -74,25 +74,23 @@ from kubernetes import client as k8s
 
 from bench.report import Results, publish, ratios_of
 from control.kube.adapter import LIST_PAGE, build_api_client
-from control.kube.caches import BOUND_LIVE_PODS, Clusters, PoolCluster
+from control.kube.caches import BOUND_LIVE_PODS, PoolCluster, open_clusters
 from control.kube.loop import MIN_GAP_S, PoolReconciler
+from control.kube.manifests import PoolSettings, job_manifest, job_name
 from control.kube.planner import (
     JobFacts,
     NodeFacts,
     PodFacts,
-    PoolSettings,
-    Selector,
     WorkerRecord,
     job_facts,
-    job_manifest,
-    job_name,
     node_facts,
     plan_pool,
     pod_facts,
 )
 from control.kube.pools import PoolConfig, load_pools
+from control.kube.selectors import Selector
 from control.models import WorkerState
-from control.workers.registry import WorkerRegistry
+from control.workers.registry import WorkerRegistry, open_worker_registry
 
 BOOKMARK_S = 60.0
 """An apiserver's bookmark interval, about."""
@@ -512,20 +510,23 @@ async def measure_watch(workdir: Path, size: Size) -> WatchSamples:
     standin = open_kube_standin_process(
         workdir / "kube", size.nodes, size.pods_per_node, size.bookmark_s
     )
-    async with standin as kubeconfig, trio.open_nursery() as nursery:
+    async with (
+        standin as kubeconfig,
+        open_worker_registry({}) as registry,
+        trio.open_nursery() as nursery,
+    ):
         pool = load_pools([pool_block(kubeconfig)]).pools[0]
         base = kubectl_base(kubectl, kubeconfig, workdir / "kubectl-cache")
         # Fill kubectl's discovery cache, as any earlier use of kubectl would have.
         await trio.run_process([*base, "api-resources", "-o", "name"], capture_stdout=True)
-        registry = WorkerRegistry({}, nursery)
         process = psutil.Process()
 
         async def ours(turn: int) -> None:
             rss_before = process.memory_info().rss
-            async with trio.open_nursery() as caches_nursery:
+            async with open_clusters() as clusters:
                 began = time.perf_counter()
                 async with (
-                    Clusters(caches_nursery).use(pool) as cluster,
+                    clusters.use(pool) as cluster,
                     trio.open_nursery() as loop,
                 ):
                     reconciler = PoolReconciler(

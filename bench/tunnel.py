@@ -61,9 +61,10 @@ from bench.anchors import (
     tcp_opener,
 )
 from bench.report import render_table, write_report
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.config import ControlConfig, parse
 from proc.malloc import tune_malloc
+from sim.controlplane import run_controlplane
 from wire.tls import make_self_signed
 
 QUICK_PLAN = Plan(total_bytes=256 << 20, stream_counts=(1, 8), round_trips=2000, connects=50)
@@ -424,7 +425,7 @@ async def open_our_paths(
     worker_ids = {mode: f"w-{mode}" for mode in OUR_PATHS}
     config, setup = make_controlplane_config(workdir, list(worker_ids.values()))
     async with trio.open_nursery() as nursery:
-        control: Controlplane = await nursery.start(serve_controlplane, config)
+        control: Controlplane = await nursery.start(run_controlplane, config)
         try:
             async with contextlib.AsyncExitStack() as agents:
                 for mode, worker_id in worker_ids.items():

@@ -29,12 +29,12 @@ import attrs
 import trio
 
 from bench.report import Results, publish, ratios_of
-from control.kube.caches import Clusters
+from control.kube.caches import open_clusters
 from control.kube.expectations import EXPECTATION_TIMEOUT_S
 from control.kube.loop import PoolReconciler
-from control.kube.planner import GENERATION_LABEL
+from control.kube.manifests import GENERATION_LABEL
 from control.kube.pools import load_pools
-from control.workers.registry import WorkerRegistry
+from control.workers.registry import open_worker_registry
 from sim.kubeapi.http import start_kube_standin
 from sim.kubeapi.store import KubeStandin, WatchFaults
 from sim.pools import gpu_node, jobs_created, pool_block, schedule_pods_of_jobs
@@ -66,9 +66,12 @@ async def _pool(
     kube: KubeStandin, period_s: float, *, expectation_timeout_s: float = EXPECTATION_TIMEOUT_S
 ) -> AsyncIterator[PoolReconciler]:
     pool = load_pools([pool_block(kube, reconcileSeconds=0.5)]).pools[0]
-    async with trio.open_nursery() as nursery:
-        registry = WorkerRegistry({}, nursery)
-        async with Clusters(nursery, bookmark_period_s=period_s).use(pool) as cluster:
+    async with (
+        open_worker_registry({}) as registry,
+        open_clusters(bookmark_period_s=period_s) as clusters,
+        trio.open_nursery() as nursery,
+    ):
+        async with clusters.use(pool) as cluster:
             reconciler = PoolReconciler(
                 pool,
                 cluster,

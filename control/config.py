@@ -417,13 +417,32 @@ def _structure(block: Mapping[str, Any]) -> ControlConfig:
 
 
 def _validate(config: ControlConfig) -> None:
+    """Every rule that spans fields, section by section, in the order a reader meets them."""
+    _validate_listener(config)
+    _validate_worker_tokens(config.worker)
+    tokens = _validate_api_tokens(config.api_tokens)
+    _validate_workspaces(config.workspaces, config.workspace_limits, tokens)
+    _validate_joined_pools(config.joined_pools)
+    _validate_leader_election(config.leader_election)
+    _validate_connections(config.connections, config.tunnel)
+    _validate_database(config.database)
+    _validate_replication(config.replication)
+    _validate_metrics(config.metrics)
+    if not config.drain_s >= 0:
+        raise ConfigError(f"config.drainS must be 0 or more seconds, not {config.drain_s:g}")
+
+
+def _validate_listener(config: ControlConfig) -> None:
     if not config.public_url.startswith("https://"):
         raise ConfigError(f"config.publicUrl must start with https://, not {config.public_url!r}")
     host, _, port = config.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"config.listen must be HOST:PORT, not {config.listen!r}")
+
+
+def _validate_worker_tokens(worker: WorkerSettings) -> None:
     seen: set[str] = set()
-    for i, entry in enumerate(config.worker.tokens):
+    for i, entry in enumerate(worker.tokens):
         if not entry.token:
             raise ConfigError(f"config.worker.tokens[{i}].token is empty; set a secret token")
         if entry.worker_id in seen:
@@ -431,13 +450,24 @@ def _validate(config: ControlConfig) -> None:
                 f"config.worker.tokens[{i}].workerId {entry.worker_id!r} appears twice"
             )
         seen.add(entry.worker_id)
+
+
+def _validate_api_tokens(api_tokens: Sequence[ApiToken]) -> set[str]:
+    """The operator tokens, checked; returns them, since no workspace may reuse one."""
     tokens: set[str] = set()
-    for i, api in enumerate(config.api_tokens):
+    for i, api in enumerate(api_tokens):
         if not api.token:
             raise ConfigError(f"config.apiTokens[{i}].token is empty; set a secret token")
         tokens.add(api.token)
+    return tokens
+
+
+def _validate_workspaces(
+    workspaces: Sequence[WorkspaceConfig], defaults: WorkspaceLimits, tokens: set[str]
+) -> None:
+    """Each workspace; `tokens` (the tokens seen so far) grows with each workspace's."""
     names: set[str] = set()
-    for i, workspace in enumerate(config.workspaces):
+    for i, workspace in enumerate(workspaces):
         where = f"config.workspaces[{i}]"
         if not WORKSPACE_NAME.fullmatch(workspace.name):
             raise ConfigError(
@@ -446,56 +476,73 @@ def _validate(config: ControlConfig) -> None:
         if workspace.name in names:
             raise ConfigError(f"{where}.name {workspace.name!r} appears twice")
         names.add(workspace.name)
-        for j, token in enumerate(workspace.tokens):
-            if not token.token:
-                raise ConfigError(f"{where}.tokens[{j}].token is empty; set a secret token")
-            if token.token in tokens:
-                raise ConfigError(
-                    f"{where}.tokens[{j}] ({token.name}) reuses a token given elsewhere in the "
-                    "config; every token must be unique"
-                )
-            tokens.add(token.token)
-        buckets: set[str] = set()
-        for j, bucket in enumerate(workspace.buckets):
-            if bucket.name in buckets:
-                raise ConfigError(f"{where}.buckets[{j}].name {bucket.name!r} appears twice")
-            buckets.add(bucket.name)
-            if not bucket.url.startswith(("s3://", "gs://")):
-                raise ConfigError(
-                    f"{where}.buckets[{j}].url must be s3://BUCKET[/PREFIX] or "
-                    f"gs://BUCKET[/PREFIX], not {bucket.url!r}"
-                )
-            if bucket.url.startswith("s3://") and bucket.s3 is None:
-                raise ConfigError(
-                    f"{where}.buckets[{j}].s3 is missing; give the credentials for {bucket.url}"
-                )
-            if bucket.url.startswith("gs://") and bucket.gcs is None:
-                raise ConfigError(
-                    f"{where}.buckets[{j}].gcs is missing; give the credentials for {bucket.url}"
-                )
+        _validate_workspace_tokens(where, workspace, tokens)
+        _validate_buckets(where, workspace.buckets)
         try:
-            workspace.limits.over(config.workspace_limits)
+            workspace.limits.over(defaults)
         except ValueError as exc:
             raise ConfigError(f"{where}.limits: {exc}") from None
-        hosts: set[str] = set()
-        for j, login in enumerate(workspace.registries):
-            if not login.host or "/" in login.host:
-                raise ConfigError(
-                    f"{where}.registries[{j}].host must be a registry host[:port] such as "
-                    f"registry.example.com, not {login.host!r}"
-                )
-            if login.host in hosts:
-                raise ConfigError(f"{where}.registries[{j}].host {login.host!r} appears twice")
-            hosts.add(login.host)
-    joined = config.joined_pools
+        _validate_registries(where, workspace.registries)
+
+
+def _validate_workspace_tokens(where: str, workspace: WorkspaceConfig, tokens: set[str]) -> None:
+    for j, token in enumerate(workspace.tokens):
+        if not token.token:
+            raise ConfigError(f"{where}.tokens[{j}].token is empty; set a secret token")
+        if token.token in tokens:
+            raise ConfigError(
+                f"{where}.tokens[{j}] ({token.name}) reuses a token given elsewhere in the "
+                "config; every token must be unique"
+            )
+        tokens.add(token.token)
+
+
+def _validate_buckets(where: str, buckets: Sequence[BucketConfig]) -> None:
+    names: set[str] = set()
+    for j, bucket in enumerate(buckets):
+        if bucket.name in names:
+            raise ConfigError(f"{where}.buckets[{j}].name {bucket.name!r} appears twice")
+        names.add(bucket.name)
+        if not bucket.url.startswith(("s3://", "gs://")):
+            raise ConfigError(
+                f"{where}.buckets[{j}].url must be s3://BUCKET[/PREFIX] or "
+                f"gs://BUCKET[/PREFIX], not {bucket.url!r}"
+            )
+        if bucket.url.startswith("s3://") and bucket.s3 is None:
+            raise ConfigError(
+                f"{where}.buckets[{j}].s3 is missing; give the credentials for {bucket.url}"
+            )
+        if bucket.url.startswith("gs://") and bucket.gcs is None:
+            raise ConfigError(
+                f"{where}.buckets[{j}].gcs is missing; give the credentials for {bucket.url}"
+            )
+
+
+def _validate_registries(where: str, registries: Sequence[RegistryLogin]) -> None:
+    hosts: set[str] = set()
+    for j, login in enumerate(registries):
+        if not login.host or "/" in login.host:
+            raise ConfigError(
+                f"{where}.registries[{j}].host must be a registry host[:port] such as "
+                f"registry.example.com, not {login.host!r}"
+            )
+        if login.host in hosts:
+            raise ConfigError(f"{where}.registries[{j}].host {login.host!r} appears twice")
+        hosts.add(login.host)
+
+
+def _validate_joined_pools(joined: JoinedPoolsSettings | None) -> None:
     if joined is not None and not joined.in_cluster:
         raise ConfigError(
             "config.joinedPools.inCluster: joined pools are kept as Secrets in the "
             "controlplane's own cluster; set inCluster: true or remove joinedPools"
         )
+
+
+def _validate_leader_election(election: LeaderElectionSettings) -> None:
     # client-go's own checks: a leader stops before its Lease can expire for the others, and
     # tries to renew more than once before it stops.
-    election, where = config.leader_election, "config.leaderElection"
+    where = "config.leaderElection"
     lease_s, renew_s, retry_s = (
         election.lease_duration_s,
         election.renew_deadline_s,
@@ -523,7 +570,9 @@ def _validate(config: ControlConfig) -> None:
     for key, text in (("identity", election.identity), ("namespace", election.namespace)):
         if text is not None and not text.strip():
             raise ConfigError(f"{where}.{key} is empty; remove it for the default, or give one")
-    connections = config.connections
+
+
+def _validate_connections(connections: ConnectionSettings, tunnel: TunnelSettings) -> None:
     for key, number in (
         ("maxPerSource", connections.max_per_source),
         ("maxTotal", connections.max_total),
@@ -533,15 +582,10 @@ def _validate(config: ControlConfig) -> None:
     for key, seconds in (
         ("connections.firstRequestTimeoutS", connections.first_request_timeout_s),
         ("connections.idleTimeoutS", connections.idle_timeout_s),
-        ("tunnel.handshakeTimeoutS", config.tunnel.handshake_timeout_s),
+        ("tunnel.handshakeTimeoutS", tunnel.handshake_timeout_s),
     ):
         if seconds is not None and not seconds > 0:
             raise ConfigError(f"config.{key} must be a number of seconds above 0, not {seconds}")
-    _validate_database(config.database)
-    _validate_replication(config.replication)
-    _validate_metrics(config.metrics)
-    if not config.drain_s >= 0:
-        raise ConfigError(f"config.drainS must be 0 or more seconds, not {config.drain_s:g}")
 
 
 def _validate_database(database: DatabaseSettings) -> None:

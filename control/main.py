@@ -23,19 +23,18 @@ async def serve_and_reload(paths: list[str], config: ControlConfig) -> None:
     """Serve; on SIGHUP read the values files again and apply their pools (a removed pool's
     workers are deleted; other settings take effect at the next start); on SIGTERM or SIGINT
     drain (`Controlplane.drain`, for `config.drainS`), then stop."""
-    from control.api.server import serve_controlplane
+    from control.api.server import open_controlplane
     from control.kube.pools import load_pools
     from wire.admission import raise_open_files_limit
 
     raise_open_files_limit(config.connections.max_total)
-    async with trio.open_nursery() as nursery:
-        control = await nursery.start(serve_controlplane, config)
+    async with open_controlplane(config) as control:
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 if signum != signal.SIGHUP:
-                    # Stopped (the pod is being replaced): drain, then cancel the rest.
+                    # Stopped (the pod is being replaced): drain, then leaving the block
+                    # cancels the rest.
                     await control.drain(config.drain_s)
-                    nursery.cancel_scope.cancel()
                     return
                 try:
                     worker = load_files(paths).worker
@@ -43,7 +42,7 @@ async def serve_and_reload(paths: list[str], config: ControlConfig) -> None:
                 except ConfigError as exc:
                     log.error("reload refused, the running pools stay: %s", exc)
                     continue
-                await control.set_config_pools(pools)
+                await control.runner.set_config_pools(pools)
                 log.info("reloaded: %d pool(s)", len(pools))
 
 

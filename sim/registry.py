@@ -24,7 +24,6 @@ import gzip
 import hashlib
 import io
 import json
-import platform as platform_module
 import re
 import secrets
 import socket
@@ -47,6 +46,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509.oid import NameOID
 
+from workerapi.reference import Platform
+
 # The media types of the OCI image spec and Docker's v2 schema, written out here so that what
 # the simulated registry serves is not derived from the agent's own parser.
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -57,29 +58,6 @@ OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
 DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
-
-_MACHINES = {
-    "x86_64": ("amd64", None),
-    "amd64": ("amd64", None),
-    "aarch64": ("arm64", "v8"),
-    "arm64": ("arm64", "v8"),
-}
-
-
-@attrs.frozen
-class Platform:
-    """An image platform as an index names it (`os`, `architecture`, `variant`)."""
-
-    os: str
-    architecture: str
-    variant: str | None = None
-
-    @classmethod
-    def of_this_node(cls) -> Platform:
-        machine = platform_module.machine().lower()
-        architecture, variant = _MACHINES.get(machine, (machine, None))
-        return cls("linux", architecture, variant)
-
 
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"')
 
@@ -453,26 +431,6 @@ def multi_index() -> Index:
 def dockerv2_image() -> Image:
     """`dockerv2:latest`: busybox with Docker v2 media types (its layer blob is busybox's)."""
     return build_image([busybox_files()], docker=True)
-
-
-def write_oci_layout(target: Image | Index, directory: Path, tag: str = "latest") -> Path:
-    """Write `target` as an OCI image layout (for umoci or skopeo)."""
-    images = target.images if isinstance(target, Index) else (target,)
-    blobs = directory / "blobs" / "sha256"
-    blobs.mkdir(parents=True, exist_ok=True)
-    written = [
-        target.manifest,
-        *(i.manifest for i in images),
-        *(b for i in images for b in i.blobs),
-    ]
-    for blob in written:
-        (blobs / blob.digest.removeprefix("sha256:")).write_bytes(blob.data)
-    (directory / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
-    top = target.manifest.descriptor(annotations={"org.opencontainers.image.ref.name": tag})
-    (directory / "index.json").write_bytes(
-        _json({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [top]})
-    )
-    return directory
 
 
 # -- pushing ----------------------------------------------------------------------------------

@@ -31,15 +31,15 @@ from agent.daemon.metrics import (
 )
 from agent.daemon.run import run_agent
 from agent.runtime.config import ContainerConfig
-from agent.runtime.records import ContainerState
 from agent.store.objects import ObjectStore, StoreStatistics
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from nvml import Readings
 from nvml.standin import StandinProcess, nvlinked_node, standin_device
 from sim.configs import control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.workers import agent_config
 from wire.metrics import render
-from workerapi.models import CardInfo, ContainerSpec
+from workerapi.models import CardInfo, ContainerSpec, ContainerState
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import DescribeNode
@@ -403,7 +403,7 @@ async def test_a_running_agent_serves_its_metrics(
 ) -> None:
     caplog.set_level(logging.INFO, logger="levers9.agent")
     pki = make_pki(tmp_path)
-    control: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+    control: Controlplane = await nursery.start(run_controlplane, control_config(pki))
     config = attrs.evolve(
         agent_config(pki, control.port, mode="tunnel"),
         containers=None,
@@ -429,7 +429,7 @@ async def test_a_running_agent_counts_its_containers_and_objects(
 ) -> None:
     caplog.set_level(logging.INFO, logger="levers9.agent")
     pki = make_pki(tmp_path)
-    control: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+    control: Controlplane = await nursery.start(run_controlplane, control_config(pki))
     config = attrs.evolve(
         agent_config(pki, control.port, mode="tunnel"),
         containers=ContainerConfig(

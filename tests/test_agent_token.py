@@ -19,8 +19,9 @@ from agent.daemon.config import (
     environ_for_reexec,
     load_config,
 )
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from sim.configs import WORKER_TOKENS, control_config, make_pki
+from sim.controlplane import run_controlplane
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = WORKER_TOKENS["w-tunnel"]
@@ -74,7 +75,7 @@ async def test_the_running_agent_shows_no_token_in_proc_environ(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
     pki = make_pki(tmp_path)
-    control: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+    control: Controlplane = await nursery.start(run_controlplane, control_config(pki))
     env = {**os.environ, **worker_environ(control.port, str(pki.ca_file))}
     env["LEVERS9_LOG_LEVEL"] = "WARNING"
     agent = await trio.lowlevel.open_process(

@@ -25,6 +25,7 @@ async def client(nursery: trio.Nursery) -> AsyncIterator[WorkerClient]:
     server_side, client_side = trio.testing.memory_stream_pair()
     service = Service(
         build_router(WorkerState("w-1", "direct")),
+        program="worker",
         authenticate=bearer_auth(TOKEN),
         connect_policy=ConnectPolicy(loopback=True),
     )
@@ -44,18 +45,32 @@ async def test_health_and_worker(client: WorkerClient) -> None:
     assert info.uptime_s >= 0
 
 
-async def test_answers_carry_the_current_date(client: WorkerClient) -> None:
+class _WallClock:
+    """Stands in for the `time` module in `wire.service`: a wall clock the test sets."""
+
+    monotonic = staticmethod(time.monotonic)  # the request log's durations: the real one
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+async def test_answers_carry_the_current_date(
+    client: WorkerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each answer's Date is the server's clock to the second (the self-check compares it
     with its own), also when answers a second apart share no formatting work."""
-    for _ in range(3):
-        before = int(time.time())
+    clock = _WallClock(1_700_000_000.0)
+    monkeypatch.setattr("wire.service.time", clock)
+    for now in (1_700_000_000.2, 1_700_000_000.9, 1_700_000_001.5, 1_700_000_003.0):
+        clock.now = now
         response = await client.open("GET", "/v1/health")
         await response.read()
         await response.aclose()
-        after = int(time.time())
         sent = email.utils.parsedate_to_datetime(response.headers["date"]).timestamp()
-        assert before <= sent <= after
-        await trio.sleep(0.6)
+        assert sent == int(now)
 
 
 async def test_unknown_route_is_not_found(client: WorkerClient) -> None:
@@ -107,6 +122,7 @@ async def test_wrong_token_is_refused_before_routing(nursery: trio.Nursery) -> N
     server_side, client_side = trio.testing.memory_stream_pair()
     service = Service(
         build_router(WorkerState("w-1", "direct")),
+        program="worker",
         authenticate=bearer_auth(TOKEN),
         connect_policy=ConnectPolicy(),
     )
@@ -171,7 +187,11 @@ async def test_early_answer_to_a_large_body_is_returned(nursery: trio.Nursery) -
     # A wrong token is refused before the body is read; the client still gets the 401,
     # not "worker unavailable", even though the server resets the rest of the upload.
     server_side, client_side = trio.testing.memory_stream_pair()
-    service = Service(build_router(WorkerState("w-1", "direct")), authenticate=bearer_auth(TOKEN))
+    service = Service(
+        build_router(WorkerState("w-1", "direct")),
+        program="worker",
+        authenticate=bearer_auth(TOKEN),
+    )
     conn = Http2Connection(server_side, client_side=False, handler=service)
     nursery.start_soon(conn.run)
     async with open_worker_client(client_side, token="wrong") as c:

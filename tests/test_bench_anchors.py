@@ -14,12 +14,14 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
+import trio.testing
 
 from bench.anchors import (
     find_sshd,
     measure_connects,
     measure_download,
     measure_round_trips,
+    measure_stream,
     measure_upload,
     open_sink_process,
     open_ssh_reverse_tunnel,
@@ -128,3 +130,50 @@ def test_percentile_interpolates_between_ranks() -> None:
     assert percentile(samples, 100) == 4.0
     with pytest.raises(ValueError, match="empty"):
         percentile([], 50)
+
+
+class _StallingStream(trio.abc.Stream):
+    """A stream whose sender is held up `stall_s` once, at its `stall_at`-th send."""
+
+    def __init__(self, inner: trio.abc.Stream, stall_at: int, stall_s: float) -> None:
+        self.inner, self.stall_at, self.stall_s, self.sends = inner, stall_at, stall_s, 0
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.sends += 1
+        if self.sends == self.stall_at:
+            await trio.sleep(self.stall_s)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_stalled_sender_shows_in_every_late_message(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # At 1 kHz the sender is held up 0.2 s at its 20th message, so the 200 due meanwhile go out
+    # late together. Timed from when each was due, they all show it (about 100 of them by 0.1 s
+    # or more); timed from when each was sent, only the one held up would (coordinated omission).
+    client, server = trio.testing.memory_stream_pair()
+
+    async def echo() -> None:
+        assert await receive_exactly(server, 1) == b"E"
+        while data := await server.receive_some():
+            await server.send_all(data)
+
+    async def open_stream(first: bytes = b"") -> trio.abc.Stream:
+        return _StallingStream(client, stall_at=2 + 20, stall_s=0.2)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(echo)
+        samples = await measure_stream(open_stream, count=400, rate_hz=1000.0)
+        nursery.cancel_scope.cancel()
+    assert len(samples) == 400
+    assert max(samples) == pytest.approx(0.2)
+    assert 95 <= sum(1 for s in samples if s >= 0.1) <= 105

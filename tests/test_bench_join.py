@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.kubectl import kubectl_binary
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_join_benchmark_reports_join_and_kubectl_side_by_side(tmp_path: Path) -> None:
+    kubectl_binary()  # the anchor: required, as everywhere in the suite
     out = tmp_path / "join.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench.join", "--quick", "--json", str(out)],

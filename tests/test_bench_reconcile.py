@@ -5,18 +5,16 @@ sizes as inputs, not figures. How fast anything is belongs to the report."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
-import pytest
-
 from bench.reconcile import FIGURE_RATIOS, RATIOS, Size, run_benchmark
+from tests.kubectl import kubectl_binary
 
 TINY = Size(nodes=6, pods=12, repeats=1, turns=1, passes=2, changes=2, steady_s=1.5)
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="the anchor needs kubectl on PATH")
 def test_a_tiny_run_reports_the_watch_path_beside_kubectl(tmp_path: Path) -> None:
+    kubectl_binary()  # the anchor: required, as everywhere in the suite
     results, inputs = run_benchmark(TINY, tmp_path)
 
     assert set(results.figures) == {

@@ -15,11 +15,11 @@ from typing import Any
 
 import trio
 
-from control.kube.caches import Clusters
+from control.kube.caches import open_clusters
 from control.kube.loop import PoolReconciler
 from control.kube.pools import load_pools
 from control.metrics import ControlMetrics
-from control.workers.registry import WorkerRegistry
+from control.workers.registry import open_worker_registry
 from sim.kubeapi.store import KubeStandin, WatchFaults
 from sim.pools import gpu_node, jobs_created, pool_block
 from tests.test_pool_reconcile import CONTROLPLANE_URL, Clock, cards, run_pods_of_jobs, until
@@ -39,9 +39,11 @@ async def watched_pool(
     # Failed passes are retried from 1 s on, not from the default 15 s.
     pool = load_pools([pool_block(kube, reconcileSeconds=1)]).pools[0]
     metrics = ControlMetrics("test")
-    async with trio.open_nursery() as nursery:
-        registry = WorkerRegistry({}, nursery)
-        clusters = Clusters(nursery, bookmark_period_s=period_s, on_cache_event=metrics.cache_event)
+    async with (
+        open_worker_registry({}) as registry,
+        open_clusters(bookmark_period_s=period_s, on_cache_event=metrics.cache_event) as clusters,
+        trio.open_nursery() as nursery,
+    ):
         async with clusters.use(pool) as cluster:
             r = PoolReconciler(
                 pool, cluster, registry, controlplane_url=CONTROLPLANE_URL, clock=Clock()

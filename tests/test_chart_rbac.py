@@ -82,7 +82,7 @@ async def test_the_chart_rbac_runs_an_in_cluster_pool_and_keeps_joined_pools(
         with trio.fail_after(60):
             (worker,) = await cluster.wait_workers(1)
         assert [j["metadata"]["name"] for j in kube.jobs("levers9")] == [worker]
-        assert cluster.control is not None and cluster.control.joined is not None
+        assert cluster.control is not None and cluster.control.runner.joined is not None
         async with cluster.client() as client:
             task = await client.create_task(
                 TaskRequest(image=registry.busybox, command=("echo", "in-cluster"), cards=1)

@@ -26,7 +26,7 @@ import pytest
 import trio
 import trio.testing
 
-from control.api.server import machine_list
+from control.api.pools import machine_list
 from control.cli.client import ControlClient, ControlClientError, open_control_client
 from control.cli.exec import FdReader, exec_session
 from control.cli.main import main, parse_args
@@ -196,7 +196,13 @@ class FakeControlplane:
             return "127.0.0.1"
 
         return Service(
-            self.router(), authenticate=bearer_auth(TOKEN), resolve_name=resolve, name="control"
+            self.router(),
+            # It answers a CONNECT to a task's port itself, as the worker would (the real
+            # controlplane relays the worker's answer), so its refusals name the worker.
+            program="worker",
+            authenticate=bearer_auth(TOKEN),
+            resolve_name=resolve,
+            name="control",
         )
 
 

@@ -36,7 +36,7 @@ from control.kube.join import (
     open_cluster_side,
     pool_block,
 )
-from control.kube.planner import POOL_LABEL as JOB_POOL
+from control.kube.manifests import POOL_LABEL as JOB_POOL
 from control.kube.pools import load_pools
 from sim.cluster import OWN_NAMESPACE, POOL_LABEL, Cluster, PoolSpec, controlplane_pod, open_cluster
 from sim.kubeapi.store import KubeStandin

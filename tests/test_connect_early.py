@@ -118,7 +118,9 @@ async def _held_service(
             raise far
         return far
 
-    service = Service(Router(), authenticate=bearer_auth(TOKEN), dial=dial, name="control")
+    service = Service(
+        Router(), program="controlplane", authenticate=bearer_auth(TOKEN), dial=dial, name="control"
+    )
     server_side, client_side = trio.testing.memory_stream_pair()
     nursery.start_soon(Http2Connection(server_side, client_side=False, handler=service).run)
     yield client_side
@@ -208,7 +210,13 @@ async def test_a_relayed_early_connect_carries_both_ways_and_relays_a_refusal(
         async def dial(host: str, port: int, principal: str) -> trio.abc.HalfCloseableStream:
             return await worker.connect_tcp_early("127.0.0.1", port)
 
-        service = Service(Router(), authenticate=bearer_auth(TOKEN), dial=dial, name="control")
+        service = Service(
+            Router(),
+            program="controlplane",
+            authenticate=bearer_auth(TOKEN),
+            dial=dial,
+            name="control",
+        )
         server_side, client_side = trio.testing.memory_stream_pair()
         nursery.start_soon(Http2Connection(server_side, client_side=False, handler=service).run)
         async with open_api_client(

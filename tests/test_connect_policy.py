@@ -22,8 +22,8 @@ from agent.daemon.config import AgentConfig, ConfigError, load_config
 from agent.daemon.routes import WorkerState
 from agent.daemon.run import build_service
 from control.api.endpoints import EndpointProxy
-from control.api.tasks import add_task_routes, undeclared_port
-from control.kube.planner import PoolSettings, job_manifest, job_name, token_secret_name
+from control.api.tasks import TaskRoutes, undeclared_port
+from control.kube.manifests import PoolSettings, job_manifest, job_name, token_secret_name
 from control.models import TaskState
 from control.tasks.dispatch import Dispatcher
 from control.tasks.store import TaskRecord, TaskSpec
@@ -220,7 +220,7 @@ async def test_the_controlplane_refuses_a_box_port_the_task_did_not_declare() ->
         worker="w-1",
     )
     dispatcher = _OneRunningTask(record)
-    dial = add_task_routes(Router(), cast(Dispatcher, dispatcher), EndpointProxy())
+    dial = TaskRoutes(cast(Dispatcher, dispatcher), EndpointProxy()).add_to(Router())
     with pytest.raises(ApiError) as err:
         await dial("t-1", 7000, "ws:team")
     assert err.value.code is ErrorCode.PERMISSION_DENIED

@@ -30,10 +30,11 @@ from agent.daemon.config import AgentConfig, load_config
 from agent.daemon.direct import serve_direct
 from agent.daemon.routes import WorkerState
 from agent.daemon.run import build_service, run_agent
-from control.api.server import Controlplane, connection_limits, serve_controlplane
+from control.api.server import Controlplane, connection_limits
 from control.config import ConfigError, ConnectionSettings, parse
 from control.models import WorkerList
 from sim.configs import API_TOKEN, WORKER_TOKENS, Pki, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.workers import agent_config
 from wire.admission import (
     MANY_SOURCES,
@@ -377,7 +378,7 @@ async def open_target(
                 ),
                 tunnel=attrs.evolve(base.tunnel, handshake_timeout_s=limits.handshake_timeout_s),
             )
-            control: Controlplane = await nursery.start(serve_controlplane, config)
+            control: Controlplane = await nursery.start(run_controlplane, config)
 
             @contextlib.asynccontextmanager
             async def controlplane_client() -> AsyncIterator[ApiClient]:

@@ -13,7 +13,7 @@ import trio
 from control.config import DatabaseSettings
 from control.tasks.store import open_task_store
 from control.workers.directory import Directory, OwnerAddress, token_hash
-from control.workers.registry import Replication, WorkerRegistry
+from control.workers.registry import Replication, open_worker_registry
 
 pytest_plugins = ["tests.postgres_fixtures"]
 
@@ -129,16 +129,15 @@ async def test_a_late_renewal_does_not_lose_a_worker_to_a_replica_without_its_tu
     with the worker's tasks but no tunnel, waits a lease more before it takes the worker, and
     the tunnel's replica takes it back at once; only a newer tunnel elsewhere moves it."""
     now = [100.0]
-    async with trio.open_nursery() as nursery:
-        a, b = (
-            WorkerRegistry(
-                {"w-1": "tok-w-1-0123456789"},
-                nursery,
-                replication=Replication(directory, name, lease_s=3.0),
-                clock=lambda: now[0],
-            )
-            for name in ("a", "b")
+    a_opened, b_opened = (
+        open_worker_registry(
+            {"w-1": "tok-w-1-0123456789"},
+            replication=Replication(directory, name, lease_s=3.0),
+            clock=lambda: now[0],
         )
+        for name in ("a", "b")
+    )
+    async with a_opened as a, b_opened as b:
         tunnel = _Tunnel()
         await a.attach_tunnel("w-1", tunnel)  # type: ignore[arg-type]
         assert a.owns("w-1")
@@ -156,4 +155,3 @@ async def test_a_late_renewal_does_not_lose_a_worker_to_a_replica_without_its_tu
         await b.attach_tunnel("w-1", _Tunnel())  # type: ignore[arg-type]
         await a.sync()
         assert b.owns("w-1") and not a.owns("w-1")
-        nursery.cancel_scope.cancel()

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from control.api.tasks import add_task_routes, query_limit, query_states, spec_of, workspace_of
+from control.api.tasks import TaskRoutes, query_limit, query_states, spec_of, workspace_of
 from control.db.base import TaskStoreError
 from control.models import TaskRequest, TaskState, TaskView
 from control.tasks.dispatch import (
@@ -51,11 +51,11 @@ from control.tasks.store import (
     TaskStore,
     open_task_store,
 )
-from control.workers.registry import WorkerEntry, WorkerRegistry
+from control.workers.registry import WorkerEntry, open_worker_registry
 from control.workspaces import Workspaces
 from wire.errors import ApiError, ErrorCode, dumps, loads
 from wire.service import Request, Router
-from workerapi.models import ContainerStatus, LogLine
+from workerapi.models import ContainerState, ContainerStatus, LogLine
 
 NOW = 1_000.0
 
@@ -96,7 +96,7 @@ def test_free_capacity_is_what_the_worker_has_less_what_its_tasks_hold() -> None
 
 
 def status(**kw: object) -> ContainerStatus:
-    values: dict[str, object] = {"id": "t-1", "image": "busybox", "state": "exited"}
+    values: dict[str, object] = {"id": "t-1", "image": "busybox", "state": ContainerState.EXITED}
     values.update(kw)
     return ContainerStatus(created_at=NOW, **values)  # type: ignore[arg-type]
 
@@ -106,7 +106,7 @@ def test_a_containers_end_becomes_the_tasks_event() -> None:
     assert outcome(status(exit_code=3)) == Exited(3)
     oom = outcome(status(exit_code=137, oom_killed=True))
     assert isinstance(oom, Failed) and "more memory" in oom.reason
-    pull = outcome(status(state="failed", error="image busybox:nope not found"))
+    pull = outcome(status(state=ContainerState.FAILED, error="image busybox:nope not found"))
     assert pull == Failed("image busybox:nope not found")
 
 
@@ -137,8 +137,11 @@ def test_listing_queries_are_checked() -> None:
 
 async def test_a_tasks_state_goes_on_the_wire_as_the_word_it_always_was(tmp_path: Path) -> None:
     words = ("pending", "starting", "running", "succeeded", "failed", "cancelled", "lost")
-    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
-        dispatcher = Dispatcher(store, WorkerRegistry({}, nursery), Workspaces(()), lost_after_s=1)
+    async with (
+        open_task_store(tmp_path / "tasks.db") as store,
+        open_worker_registry({}) as registry,
+    ):
+        dispatcher = Dispatcher(store, registry, Workspaces(()), lost_after_s=1)
         for state, word in zip(TaskState, words, strict=True):
             record = TaskRecord("t-1", "a", TaskSpec(image="busybox"), state, created_at=0.0)
             body = dumps(dispatcher.view(record))
@@ -146,7 +149,6 @@ async def test_a_tasks_state_goes_on_the_wire_as_the_word_it_always_was(tmp_path
             back = loads(body, TaskView)
             assert back.state is state and back.state == word
             assert back.terminal == (word in ("succeeded", "failed", "cancelled", "lost"))
-        nursery.cancel_scope.cancel()
 
 
 def test_a_snapshot_must_be_a_digest() -> None:
@@ -170,8 +172,12 @@ async def test_a_stopping_dispatcher_cuts_short_a_clean_up_that_cannot_reach_its
     """A clean-up is shielded so that a task's container is removed even while its watcher is
     cancelled; when the controlplane stops, one whose worker does not answer gets
     `STOP_GRACE_S`, not `CLEANUP_S`, so SIGTERM is not held up."""
-    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
-        registry = WorkerRegistry({"w1": "token"}, nursery)  # known, never connects
+    # w1 is known and never connects.
+    async with (
+        open_task_store(tmp_path / "tasks.db") as store,
+        open_worker_registry({"w1": "token"}) as registry,
+        trio.open_nursery() as nursery,
+    ):
         dispatcher = Dispatcher(store, registry, Workspaces(()), lost_after_s=120)
         scope = trio.CancelScope()
         stopped = trio.Event()
@@ -327,8 +333,12 @@ async def test_a_worker_that_never_answers_a_create_loses_the_task_with_its_reas
     """Seen in a chaos campaign: a worker killed while its task's container was created made
     the task 'failed: the controlplane failed to follow the task' (the reason for a bug): the
     loss came out of the pull-progress nursery as a group the watcher did not expect."""
-    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
-        registry = WorkerRegistry({"w1": "token"}, nursery)  # known, never connects
+    # w1 is known and never connects.
+    async with (
+        open_task_store(tmp_path / "tasks.db") as store,
+        open_worker_registry({"w1": "token"}) as registry,
+        trio.open_nursery() as nursery,
+    ):
         dispatcher = Dispatcher(store, registry, Workspaces(()), lost_after_s=5)
         created = await store.create("a", TaskSpec(image="busybox"))
         placed = await store.apply("a", created.id, Start(worker="w1", node="n1"))
@@ -440,8 +450,12 @@ async def test_a_task_ends_as_it_did_once_its_database_is_back_and_the_dispatche
     task's end made the watcher fail the task with the database's error, whose write failed
     too, and the replica exited (all three at once, once). The end is written again until the
     database is back, as it happened."""
-    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
-        registry = WorkerRegistry({"w1": "token"}, nursery)  # known, never connects
+    # w1 is known and never connects.
+    async with (
+        open_task_store(tmp_path / "tasks.db") as store,
+        open_worker_registry({"w1": "token"}) as registry,
+        trio.open_nursery() as nursery,
+    ):
         restarting = _Restarting(store, back_at=trio.current_time() + 20)
         dispatcher = Dispatcher(restarting, registry, Workspaces(()), lost_after_s=5)  # type: ignore[arg-type]
         created = await store.create("a", TaskSpec(image="busybox"))
@@ -471,8 +485,11 @@ async def test_a_watcher_whose_record_cannot_be_written_at_all_stops_alone(
         async def apply(self, workspace: str, task_id: str, event: TaskEvent) -> TaskRecord:
             raise TaskStoreError(ErrorCode.INTERNAL, "task database: value too long")
 
-    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
-        registry = WorkerRegistry({"w1": "token"}, nursery)
+    async with (
+        open_task_store(tmp_path / "tasks.db") as store,
+        open_worker_registry({"w1": "token"}) as registry,
+        trio.open_nursery() as nursery,
+    ):
         dispatcher = Dispatcher(Refusing(store, 0.0), registry, Workspaces(()), lost_after_s=5)  # type: ignore[arg-type]
         created = await store.create("a", TaskSpec(image="busybox"))
         placed = await store.apply("a", created.id, Start(worker="w1", node="n1"))
@@ -510,7 +527,7 @@ async def test_a_followed_log_whose_worker_stream_broke_takes_the_rest_from_the_
     async with open_task_store(tmp_path / "tasks.db") as store:
         dispatcher = Dispatcher(store, _BrokenFollow(3), Workspaces(()), lost_after_s=5)  # type: ignore[arg-type]
         router = Router()
-        add_task_routes(router, dispatcher, None)  # type: ignore[arg-type]
+        TaskRoutes(dispatcher, None).add_to(router)  # type: ignore[arg-type]
         created = await store.create("a", TaskSpec(image="busybox"))
         task = created.id
         placed = await store.apply("a", task, Start(worker="w1", node="n1"))
@@ -540,16 +557,18 @@ async def test_a_followed_log_whose_worker_stream_broke_takes_the_rest_from_the_
 async def test_an_idle_worker_is_retired_once_and_never_while_this_pass_places_on_it(
     tmp_path: Path,
 ) -> None:
-    async with open_task_store(tmp_path / "tasks.db") as store, trio.open_nursery() as nursery:
-        registry = WorkerRegistry({"w1": "token"}, nursery)
-        dispatcher = Dispatcher(store, registry, Workspaces(()), lost_after_s=5)
+    async with (
+        open_task_store(tmp_path / "tasks.db") as store,
+        open_worker_registry({"w1": "token"}) as registry,
+        trio.open_nursery() as nursery,
+    ):
         asked: list[Retire] = []
 
         def retire(decided: Retire) -> bool:
             asked.append(decided)
             return True
 
-        dispatcher.retire = retire
+        dispatcher = Dispatcher(store, registry, Workspaces(()), lost_after_s=5, retire=retire)
         big = PendingTask("big", "a", 1, cards=3, cpu_millis=0, memory_bytes=0)
         small = PendingTask("small", "a", 0, cards=1, cpu_millis=0, memory_bytes=0)
         idle = WorkerCapacity("w1", "n1", True, 2, 1000, 1 << 30, False, 2)
@@ -588,7 +607,7 @@ class _ExitsAtOnce:
         return ContainerStatus(
             id=spec.id,
             image="busybox",
-            state="exited",
+            state=ContainerState.EXITED,
             created_at=1.0,
             started_at=1.0,
             finished_at=1.1,
@@ -603,6 +622,42 @@ class _ExitsAtOnce:
 
     async def delete_container(self, container_id: str) -> None:
         self.deleted = True
+
+
+class _NewerWorker(_ExitsAtOnce):
+    """A worker of a newer release: its container runs in a state this controlplane does not
+    know, and its wait answers with an end this controlplane does not know either."""
+
+    async def create_container(self, spec: Any) -> ContainerStatus:
+        running = await super().create_container(spec)
+        return attrs.evolve(running, state=ContainerState("warming"), finished_at=None)
+
+    async def wait_container(self, container_id: str) -> ContainerStatus:
+        return ContainerStatus(
+            id=container_id,
+            image="busybox",
+            state=ContainerState("retired"),
+            created_at=1.0,
+            started_at=1.0,
+            finished_at=2.0,
+        )
+
+
+async def test_a_state_a_newer_worker_added_is_waited_on_and_its_end_named(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with open_task_store(tmp_path / "tasks.db") as store:
+        worker = _NewerWorker([])
+        dispatcher = Dispatcher(store, worker, Workspaces(()), lost_after_s=30)  # type: ignore[arg-type]
+        created = await store.create("a", TaskSpec(image="busybox"))
+        placed = await store.apply("a", created.id, Start(worker="w1", node="n1"))
+        await dispatcher._watch(placed, False)
+        ended = await store.get("a", created.id)
+        assert (ended.state, ended.reason) == (
+            TaskState.FAILED,
+            "the container ended in state retired",
+        )
+        assert ended.running_at is not None and worker.deleted
 
 
 async def test_a_task_ends_once_its_log_is_kept_and_a_worker_gone_first_loses_it(

@@ -22,10 +22,11 @@ import pytest
 import trio
 
 from agent.daemon.run import run_agent
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.config import DatabaseSettings
 from control.tasks.store import TaskSpec
 from sim.configs import API_TOKEN, Pki, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.workers import agent_config
 
 pytest_plugins = ["tests.postgres_fixtures"]
@@ -85,10 +86,10 @@ async def replicas(
 
     async def serve_a(*, task_status: trio.TaskStatus[Controlplane]) -> None:
         with a_scope:
-            await serve_controlplane(configs[0], task_status=task_status)
+            await run_controlplane(configs[0], task_status=task_status)
 
     a: Controlplane = await nursery.start(serve_a)
-    b: Controlplane = await nursery.start(serve_controlplane, configs[1])
+    b: Controlplane = await nursery.start(run_controlplane, configs[1])
     yield a, b, a_scope
 
 

@@ -19,8 +19,9 @@ import trio
 import trio.lowlevel
 
 from agent.daemon.run import run_agent
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from sim.configs import Pki, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.workers import agent_config
 from wire.http2 import PREFACE
 
@@ -105,7 +106,7 @@ async def test_the_agent_outlives_dropped_connections_and_registers_later(
             dropping.cancel()
             await trio.lowlevel.checkpoint()
             control: Controlplane = await nursery.start(
-                serve_controlplane, control_config(pki, port=port)
+                run_controlplane, control_config(pki, port=port)
             )
             client = await control.registry.client_for(f"w-{mode}")
             assert (await client.health()).status == "ok"

@@ -260,7 +260,7 @@ async def harness(nursery: trio.Nursery) -> AsyncIterator[Harness]:
         for method in ("GET", "HEAD", "POST", "PUT", "DELETE"):
             router.add(method, "/p/{rest}", to_port)
         router.add("GET", "/gone", unreachable)
-        service = Service(router, authenticate=bearer_auth(TOKEN))
+        service = Service(router, program="controlplane", authenticate=bearer_auth(TOKEN))
         conn = Http2Connection(server_side, client_side=False, handler=service)
         nursery.start_soon(conn.run)
         try:
@@ -547,7 +547,7 @@ async def test_an_unreachable_port_is_unavailable(nursery: trio.Nursery) -> None
 
     router.add("GET", "/x", handler)
     server_side, client_side = trio.testing.memory_stream_pair()
-    service = Service(router, authenticate=bearer_auth(TOKEN))
+    service = Service(router, program="controlplane", authenticate=bearer_auth(TOKEN))
     nursery.start_soon(Http2Connection(server_side, client_side=False, handler=service).run)
     async with open_api_client(client_side, ApiClient, token=TOKEN, authority=AUTHORITY) as c:
         with pytest.raises(ApiError) as err:
@@ -702,6 +702,7 @@ async def test_closing_upstreams_end_their_streams_without_resets(
         settings=strict,
         handler=Service(
             Router(),
+            program="worker",
             authenticate=bearer_auth(TOKEN),
             connect_policy=ConnectPolicy(loopback=True),
         ),
@@ -726,7 +727,9 @@ async def test_closing_upstreams_end_their_streams_without_resets(
         router.add("GET", "/bye", to_port)
         front_side, client_side = trio.testing.memory_stream_pair()
         front = Http2Connection(
-            front_side, client_side=False, handler=Service(router, authenticate=bearer_auth(TOKEN))
+            front_side,
+            client_side=False,
+            handler=Service(router, program="controlplane", authenticate=bearer_auth(TOKEN)),
         )
         nursery.start_soon(front.run)
         async with open_api_client(

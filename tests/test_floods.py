@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from bench.floods import LIMIT_OF, TARGETS, attacker_context, flood, open_targets, rss_mb
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from sim.configs import control_config, make_pki
+from sim.controlplane import run_controlplane
 from wire.http2 import Http2Settings
 
 ErrorCodes = h2.errors.ErrorCodes
@@ -54,7 +55,7 @@ async def test_the_controlplane_holds_the_limits_its_values_set(
 ) -> None:
     config = control_config(make_pki(tmp_path))
     config = attrs.evolve(config, http2=attrs.evolve(config.http2, max_pings_per_window=10))
-    control: Controlplane = await nursery.start(serve_controlplane, config)
+    control: Controlplane = await nursery.start(run_controlplane, config)
     tcp = await trio.open_tcp_stream("127.0.0.1", control.port)
     tls = trio.SSLStream(tcp, attacker_context(), server_hostname="127.0.0.1")
     await tls.do_handshake()

@@ -106,7 +106,9 @@ async def hop(*, secret: str = SECRET, worker_up: bool = True) -> AsyncIterator[
         nursery.start_soon(echo_bytes if port == 8080 else answer_then_listen)
         return left
 
-    service = Service(router, authenticate=bearer_auth(WORKER_TOKEN), dial=dial)
+    service = Service(
+        router, program="controlplane", authenticate=bearer_auth(WORKER_TOKEN), dial=dial
+    )
     async with trio.open_nursery() as nursery:
         # The worker's connection, as the owner holds it (its tunnel).
         to_worker, _ = await connected(nursery, service)

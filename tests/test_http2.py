@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import h2.errors
 import h2.events
+import h2.exceptions
 import h2.settings
 import hpack
 import pytest
@@ -141,7 +142,7 @@ def send_what_fits(proto: Http2Protocol, stream_id: int, pending: bytearray) -> 
         size = min(window, len(pending), proto.max_outbound_frame_bytes)
         chunk = bytes(pending[:size])
         del pending[:size]
-        proto.h2.send_data(stream_id, chunk, end_stream=not pending)
+        proto.send_data(stream_id, chunk, end_stream=not pending)
 
 
 def test_queued_frames_taken_as_parts_keep_their_order() -> None:
@@ -149,15 +150,15 @@ def test_queued_frames_taken_as_parts_keep_their_order() -> None:
     # sent one after another, everything arrives in the order it was queued.
     wire = connected()
     client, server = wire.client, wire.server
-    first, second = client.h2.get_next_available_stream_id(), 0
+    first, second = client.next_stream_id(), 0
     big, small, last = payload(100_000, 1), b"0123456789", payload(20_000, 2)
-    client.h2.send_headers(first, REQUEST)
-    client.h2.send_data(first, big)
-    second = client.h2.get_next_available_stream_id()
-    client.h2.send_headers(second, REQUEST)
-    client.h2.send_data(second, small)
-    client.h2.send_data(second, last, end_stream=True)
-    client.h2.ping(b"parts-ok")
+    client.send_headers(first, REQUEST)
+    client.send_data(first, big)
+    second = client.next_stream_id()
+    client.send_headers(second, REQUEST)
+    client.send_data(second, small)
+    client.send_data(second, last, end_stream=True)
+    client.ping(b"parts-ok")
     queued = client.queued_bytes()
     parts = client.take_parts()
     assert sum(len(part) for part in parts) == queued
@@ -167,6 +168,102 @@ def test_queued_frames_taken_as_parts_keep_their_order() -> None:
     assert received == [(first, big), (second, small), (second, last)]
     kinds = [type(e).__name__ for e in events if not isinstance(e, h2.events.DataReceived)]
     assert kinds == ["RequestReceived", "RequestReceived", "StreamEnded", "PingReceived"]
+
+
+# -- calls in: what the connection layer asks of the protocol --
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cuts=CUTS,
+    size=st.integers(0, 3 * SMALL.max_frame_bytes + 1),
+    as_view=st.booleans(),
+    end=st.booleans(),
+)
+def test_send_data_goes_in_frames_the_peer_accepts_and_ends_on_the_last(
+    cuts: list[int], size: int, as_view: bool, end: bool
+) -> None:
+    wire = connected(SMALL, SMALL, cuts)
+    client, server = wire.client, wire.server
+    sid = client.next_stream_id()
+    client.send_headers(sid, REQUEST)
+    body = payload(size, size)
+    client.send_data(sid, memoryview(body) if as_view else body, end_stream=end)
+    sent = client.data_to_send()
+    frames = [f for f in parse_frames(sent) if isinstance(f, DataFrame)]
+    assert all(len(f.data) <= SMALL.max_frame_bytes for f in frames)
+    assert len(frames) == max(1, -(-size // SMALL.max_frame_bytes))
+    assert ["END_STREAM" in f.flags for f in frames] == [False] * (len(frames) - 1) + [end]
+    events = wire._deliver(sent, server)
+    assert received(events) == (body, size, end)
+
+
+def test_a_bytes_payload_of_one_frame_is_queued_as_it_is() -> None:
+    """The connection hands a whole bytes body to `send_data`: it waits in the queue by
+    reference, not copied; a view (a piece of a larger body) is copied, since its owner may
+    reuse the memory."""
+    wire = connected()
+    client = wire.client
+    sid = client.next_stream_id()
+    client.send_headers(sid, REQUEST)
+    body = payload(100_000, 3)
+    client.send_data(sid, body)
+    assert any(part is body for part in client.take_parts())
+    client.send_data(sid, memoryview(body), end_stream=True)
+    parts = client.take_parts()
+    assert not any(part is body for part in parts)
+    assert body in b"".join(parts)
+
+
+@settings(max_examples=20, deadline=None)
+@given(cuts=CUTS)
+def test_end_reset_and_ping_reach_the_peer(cuts: list[int]) -> None:
+    wire = connected(cuts=cuts)
+    client, server = wire.client, wire.server
+    ended, reset = client.next_stream_id(), 0
+    client.send_headers(ended, REQUEST)
+    reset = client.next_stream_id()
+    assert reset == ended + 2
+    client.send_headers(reset, REQUEST)
+    _, at_server = wire.pump()
+    assert [e.stream_id for e in at_server if isinstance(e, h2.events.RequestReceived)] == [
+        ended,
+        reset,
+    ]
+
+    client.end_stream(ended)
+    server.reset_stream(reset, ErrorCodes.REFUSED_STREAM)
+    server.ping(b"12345678")
+    at_client, at_server = wire.pump()
+    assert [e.stream_id for e in at_server if isinstance(e, h2.events.StreamEnded)] == [ended]
+    resets = [
+        (e.stream_id, e.error_code) for e in at_client if isinstance(e, h2.events.StreamReset)
+    ]
+    assert resets == [(reset, ErrorCodes.REFUSED_STREAM)]
+    acks = [e.ping_data for e in at_server if isinstance(e, h2.events.PingAckReceived)]
+    assert acks == [b"12345678"]
+    # The ended stream still answers; the reset one is closed for sending.
+    server.send_headers(ended, RESPONSE, end_stream=True)
+    with pytest.raises(h2.exceptions.StreamClosedError):
+        client.send_data(reset, b"late")
+
+
+def test_opening_past_the_peers_concurrency_limit_raises_too_many_streams() -> None:
+    """The connection waits for a stream to end when h2 says so (`open_stream`)."""
+    wire = connected(server_settings=Http2Settings(max_concurrent_streams=2))
+    client = wire.client
+    for _ in range(2):
+        client.send_headers(client.next_stream_id(), REQUEST)
+    with pytest.raises(h2.exceptions.TooManyStreamsError):
+        client.send_headers(client.next_stream_id(), REQUEST)
+
+
+def test_next_stream_id_runs_out_at_the_last_odd_id() -> None:
+    """The connection drains once ids run out (`open_stream`); h2 says so with this error."""
+    wire = connected()
+    wire.client.h2.highest_outbound_stream_id = 2**31 - 1
+    with pytest.raises(h2.exceptions.NoAvailableStreamIDError):
+        wire.client.next_stream_id()
 
 
 # -- settings --
@@ -216,8 +313,8 @@ def test_bodies_larger_than_the_window_arrive_intact(
     request = payload(request_size, seed)
     response = payload(response_size, seed + 1)
 
-    sid = client.h2.get_next_available_stream_id()
-    client.h2.send_headers(sid, REQUEST)
+    sid = client.next_stream_id()
+    client.send_headers(sid, REQUEST)
     to_server = bytearray(request)
     to_client = bytearray()
     # What each end has received but its consumer has not read yet, and what it has read.
@@ -247,7 +344,7 @@ def test_bodies_larger_than_the_window_arrive_intact(
             me.acknowledge(sid, len(piece))
         if ended[server] and not unread[server] and not responding:
             assert bytes(read[server]) == request
-            server.h2.send_headers(sid, RESPONSE)
+            server.send_headers(sid, RESPONSE)
             to_client = bytearray(response)
             responding = True
         if ended[client] and not unread[client]:
@@ -265,8 +362,8 @@ def test_unread_data_stops_at_the_advertised_stream_window(cuts: list[int]) -> N
     wire = connected(cuts=cuts)
     client, server = wire.client, wire.server
     window = Http2Settings().stream_window_bytes
-    sid = client.h2.get_next_available_stream_id()
-    client.h2.send_headers(sid, REQUEST)
+    sid = client.next_stream_id()
+    client.send_headers(sid, REQUEST)
     pending = bytearray(3 * window)
 
     received = 0
@@ -299,8 +396,8 @@ def test_unread_data_on_many_streams_stops_at_the_connection_window() -> None:
     streams = connection_window // stream_window + 2
     pending: dict[int, bytearray] = {}
     for _ in range(streams):
-        sid = client.h2.get_next_available_stream_id()
-        client.h2.send_headers(sid, REQUEST)
+        sid = client.next_stream_id()
+        client.send_headers(sid, REQUEST)
         pending[sid] = bytearray(stream_window)
     for sid, data in pending.items():
         send_what_fits(client, sid, data)
@@ -328,16 +425,16 @@ def empty_settings() -> bytes:
 
 def open_and_reset(wire: Wire) -> bytes:
     """The bytes of one stream opened and at once reset by the client (the "rapid reset")."""
-    sid = wire.client.h2.get_next_available_stream_id()
-    wire.client.h2.send_headers(sid, REQUEST)
-    wire.client.h2.reset_stream(sid, ErrorCodes.CANCEL)
+    sid = wire.client.next_stream_id()
+    wire.client.send_headers(sid, REQUEST)
+    wire.client.reset_stream(sid, ErrorCodes.CANCEL)
     return wire.client.data_to_send()
 
 
 def open_stream(wire: Wire, stream_id: int = 1) -> None:
     """Have the client open `stream_id` (request headers, no END_STREAM) at the server."""
     if stream_id not in wire.server.h2.streams:
-        wire.client.h2.send_headers(stream_id, REQUEST)
+        wire.client.send_headers(stream_id, REQUEST)
         wire.pump()
 
 
@@ -369,7 +466,7 @@ def data_on_a_reset_stream(wire: Wire) -> bytes:
     """One byte of DATA on a stream the client reset: h2 answers each with RST_STREAM."""
     if 1 not in wire.server.h2.streams:
         open_stream(wire)
-        wire.client.h2.reset_stream(1, ErrorCodes.CANCEL)
+        wire.client.reset_stream(1, ErrorCodes.CANCEL)
         wire.pump()
     return DataFrame(1, data=b"x").serialize()
 
@@ -409,12 +506,12 @@ def test_resets_of_answered_streams_are_cancellations_not_a_flood() -> None:
     wire = connected(server_settings=flood_settings(max_resets_per_window=limit))
     client, server = wire.client, wire.server
     for _ in range(10 * limit):
-        sid = client.h2.get_next_available_stream_id()
-        client.h2.send_headers(sid, REQUEST)
+        sid = client.next_stream_id()
+        client.send_headers(sid, REQUEST)
         wire.pump()
-        server.h2.send_headers(sid, RESPONSE)  # the worker answers (a CONNECT's 200, say)
+        server.send_headers(sid, RESPONSE)  # the worker answers (a CONNECT's 200, say)
         wire.pump()
-        client.h2.reset_stream(sid, ErrorCodes.CANCEL)
+        client.reset_stream(sid, ErrorCodes.CANCEL)
         wire.pump()
     assert not server.closed
     for _ in range(limit):
@@ -493,7 +590,7 @@ def test_window_updates_are_allowed_in_proportion_to_the_data_sent() -> None:
     server = wire.server
     frames = 200
     for _ in range(frames):
-        server.h2.send_data(1, b"x" * 100)
+        server.send_data(1, b"x" * 100)
     server.data_to_send()
     for _ in range(base + 2 * frames - 1):  # the client's preface sent one
         server.receive_data(WindowUpdateFrame(1, window_increment=1).serialize(), now=1.0)
@@ -742,8 +839,8 @@ def test_streams_beyond_the_concurrency_limit_are_refused(cuts: list[int], extra
     # The client opens its streams before the server's SETTINGS reach it, as any client may.
     sids = []
     for _ in range(limit + extra):
-        sid = client.h2.get_next_available_stream_id()
-        client.h2.send_headers(sid, REQUEST, end_stream=True)
+        sid = client.next_stream_id()
+        client.send_headers(sid, REQUEST, end_stream=True)
         sids.append(sid)
     at_client, at_server = wire.pump()
 
@@ -755,11 +852,11 @@ def test_streams_beyond_the_concurrency_limit_are_refused(cuts: list[int], extra
 
     # The accepted streams are answered, and after them new streams are accepted again.
     for sid in accepted:
-        server.h2.send_headers(sid, RESPONSE, end_stream=True)
+        server.send_headers(sid, RESPONSE, end_stream=True)
     at_client, _ = wire.pump()
     assert sum(isinstance(e, h2.events.ResponseReceived) for e in at_client) == limit
-    sid = client.h2.get_next_available_stream_id()
-    client.h2.send_headers(sid, REQUEST, end_stream=True)
+    sid = client.next_stream_id()
+    client.send_headers(sid, REQUEST, end_stream=True)
     _, at_server = wire.pump()
     assert [e.stream_id for e in at_server if isinstance(e, h2.events.RequestReceived)] == [sid]
 
@@ -772,8 +869,8 @@ def test_streams_beyond_the_concurrency_limit_are_refused(cuts: list[int], extra
 def test_stream_in_flight_finishes_after_a_graceful_goaway(cuts: list[int]) -> None:
     wire = connected(SMALL, SMALL, cuts)
     client, server = wire.client, wire.server
-    sid = client.h2.get_next_available_stream_id()
-    client.h2.send_headers(sid, REQUEST)
+    sid = client.next_stream_id()
+    client.send_headers(sid, REQUEST)
     wire.pump()
 
     server.go_away(ErrorCodes.NO_ERROR)
@@ -784,7 +881,7 @@ def test_stream_in_flight_finishes_after_a_graceful_goaway(cuts: list[int]) -> N
     # Both directions of the stream the server accepted still work, past several windows.
     request = bytearray(payload(3 * SMALL.stream_window_bytes, 1))
     response = bytearray(payload(3 * SMALL.stream_window_bytes, 2))
-    server.h2.send_headers(sid, RESPONSE)
+    server.send_headers(sid, RESPONSE)
     got = {client: 0, server: 0}
     ended = {client: False, server: False}
     for _ in range(1000):
@@ -811,7 +908,7 @@ def test_long_header_values_go_out_as_plain_literals_and_arrive_intact() -> None
     """hpack's Huffman coder is quadratic in a value's length; long values skip it."""
     wire = connected()
     value = b"a" * 40_000
-    wire.client.h2.send_headers(1, [*REQUEST, (b"x-long", value)], end_stream=True)
+    wire.client.send_headers(1, [*REQUEST, (b"x-long", value)], end_stream=True)
     block = wire.client.data_to_send()
     assert value in block
     events = wire.server.receive_data(block, now=0.0)
@@ -826,7 +923,7 @@ def test_a_token_goes_never_indexed_and_not_huffman_coded_on_every_request() -> 
     token = b"Bearer 3q2-7wXnTz_g9kLmPQ4s0aVbYcRdUeFf1hJiKlMn"
     headers = [*REQUEST, (b"authorization", token)]
     for sid in (1, 3):
-        wire.client.h2.send_headers(sid, headers, end_stream=True)
+        wire.client.send_headers(sid, headers, end_stream=True)
         block = wire.client.data_to_send()
         assert token in block
         events = wire.server.receive_data(block, now=0.0)
@@ -845,11 +942,11 @@ def test_headers_over_the_peers_limit_are_refused_before_anything_is_sent() -> N
     wire = connected()
     limit = Http2Settings().max_header_list_bytes
     with pytest.raises(HeaderListTooLarge, match=f"over the {limit} bytes"):
-        wire.client.h2.send_headers(1, [*REQUEST, (b"x-big", b"a" * limit)])
+        wire.client.send_headers(1, [*REQUEST, (b"x-big", b"a" * limit)])
     assert wire.client.data_to_send() == b""
     assert 1 not in wire.client.h2.streams
     # The HPACK state on both sides is still in step: the next request arrives whole.
-    wire.client.h2.send_headers(1, [*REQUEST, (b"x-small", b"b")], end_stream=True)
+    wire.client.send_headers(1, [*REQUEST, (b"x-small", b"b")], end_stream=True)
     events = wire.server.receive_data(wire.client.data_to_send(), now=0.0)
     request = next(e for e in events if isinstance(e, h2.events.RequestReceived))
     assert (b"x-small", b"b") in list(request.headers or [])

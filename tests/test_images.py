@@ -28,7 +28,6 @@ from agent.runtime.images.manifests import (
     Descriptor,
     ImageConfig,
     ImageIndex,
-    Platform,
     choose_manifest,
     parse_image_config,
     parse_manifest,
@@ -49,7 +48,7 @@ from sim.registry import (
     push_layer_tars,
 )
 from wire.errors import ApiError, ErrorCode
-from workerapi.reference import DOCKER_HUB, ImageReference, registry_scheme
+from workerapi.reference import DOCKER_HUB, ImageReference, Platform, registry_scheme
 
 if TYPE_CHECKING:
     from tests.registry_fixtures import AuthRegistry, RegistryFactory, SharedRegistry

@@ -18,7 +18,7 @@ import pytest
 
 from agent.daemon.cli import main as agent_main
 from agent.runtime.shim import ShimBuildError, shim_path
-from control.kube.planner import PoolSettings, job_manifest
+from control.kube.manifests import PoolSettings, job_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "images"

@@ -177,7 +177,7 @@ async def test_a_task_runs_on_a_worker_from_the_image(
     assert written == f"card={done.card_ids[0]}\n".encode()
 
 
-NODE_WARNINGS = {("containers", "checkpoint"), ("node", "pod resources")}
+NODE_WARNINGS = {("node", "pod resources")}
 
 
 async def test_self_check_passes_inside_the_worker_container(cluster: Cluster) -> None:
@@ -188,9 +188,9 @@ async def test_self_check_passes_inside_the_worker_container(cluster: Cluster) -
     assert not failed, json.dumps(failed, indent=1)
     sections = {c["section"] for c in report["checks"] if c["status"] == "ok"}
     assert {"gpu", "containers", "node", "objects", "controlplane"} <= sections, report
-    # What may warn here is the node's, not the image's: this kernel's criu cannot checkpoint,
-    # and the simulated node has no kubelet PodResources socket (the agent falls back to
-    # NVIDIA_VISIBLE_DEVICES, as on EKS). Anything the image lacks is a Dockerfile bug.
+    # What may warn here is the node's, not the image's: the simulated node has no kubelet
+    # PodResources socket (the agent falls back to NVIDIA_VISIBLE_DEVICES, as on EKS). Anything
+    # the image lacks is a Dockerfile bug.
     for check in report["checks"]:
         if check["status"] == "warn":
             assert (check["section"], check["name"]) in NODE_WARNINGS, check

@@ -84,7 +84,8 @@ async def test_a_follower_is_woken_by_its_log_only(tmp_path: Path, nursery: trio
     one, two = tmp_path / "c-1", tmp_path / "c-2"
     one.mkdir()
     two.mkdir()
-    watch = LogWatch(nursery)
+    watch = LogWatch()
+    await nursery.start(watch.run)
     with watch.watching(one) as first, watch.watching(one) as second, watch.watching(two) as third:
         assert first is second  # one watch per directory, however many follow it
         assert first.poll_s == WATCHED_POLL_S
@@ -106,7 +107,8 @@ async def test_a_deleted_directory_wakes_its_followers(
 ) -> None:
     directory = tmp_path / "c-1"
     directory.mkdir()
-    watch = LogWatch(nursery)
+    watch = LogWatch()
+    await nursery.start(watch.run)
     with watch.watching(directory) as watched:
         woken = watched.changed
         directory.rmdir()
@@ -117,8 +119,33 @@ async def test_a_deleted_directory_wakes_its_followers(
 async def test_without_a_watch_a_follower_reads_on_a_short_period(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    watch = LogWatch(nursery)
+    watch = LogWatch()
+    await nursery.start(watch.run)
     with watch.watching(tmp_path / "not-there") as watched:
+        assert watched.poll_s == LOG_POLL_S
+
+
+async def test_a_watch_that_does_not_run_leaves_its_followers_reading_on_a_short_period(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    watch = LogWatch()
+    with watch.watching(tmp_path) as watched:  # before `run`: nobody would read the events
+        assert watched.poll_s == LOG_POLL_S
+    cancel = trio.CancelScope()
+
+    async def run_until_cancelled(task_status: trio.TaskStatus[None]) -> None:
+        with cancel:
+            await watch.run(task_status=task_status)
+
+    await nursery.start(run_until_cancelled)
+    with watch.watching(tmp_path) as watched:
+        assert watched.poll_s == WATCHED_POLL_S
+        woken = watched.changed
+        cancel.cancel()
+        # Its end wakes the followers, whose watch went with the instance.
+        with trio.fail_after(5):
+            await woken.wait()
+    with watch.watching(tmp_path) as watched:  # after the end
         assert watched.poll_s == LOG_POLL_S
 
 
@@ -126,17 +153,19 @@ def _descriptors() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-async def test_nothing_is_left_running_or_open_once_nobody_follows(tmp_path: Path) -> None:
+async def test_nothing_is_left_open_once_nobody_follows(tmp_path: Path) -> None:
     before = _descriptors()
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            watch = LogWatch(nursery)
-            for _ in range(2):  # and a later follower starts it again
+            watch = LogWatch()
+            await nursery.start(watch.run)
+            for _ in range(2):  # and a later follower opens an instance again
                 with watch.watching(tmp_path) as first, watch.watching(tmp_path) as second:
                     assert first is second
+                    assert _descriptors() != before
                     woken = first.changed
                     (tmp_path / "log").write_bytes(b"line\n")
                     await woken.wait()
                 await trio.testing.wait_all_tasks_blocked()
                 assert _descriptors() == before
-        # The nursery closed: no reader was left waiting.
+            nursery.cancel_scope.cancel()

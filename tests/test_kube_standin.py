@@ -18,7 +18,7 @@ from kubernetes.client.rest import ApiException
 from sim.kubeapi.http import start_kube_standin
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
-from tests.kubectl import kubectl
+from tests.kubectl import kubectl, kubectl_binary
 
 pytest_plugins = ["tests.kube_fixtures"]
 
@@ -263,7 +263,7 @@ def testkubectl(kube: KubeStandin, kubeconfig: Path, tmp_path: Path) -> None:
     assert "app" in kubectl(kubeconfig, "get", "pods", "--field-selector", "spec.nodeName=gpu-1")
     bad = kube.write_kubeconfig(tmp_path / "bad-kubeconfig", token="wrong")
     refused = subprocess.run(
-        ["kubectl", "--kubeconfig", str(bad), "get", "nodes"],
+        [kubectl_binary(), "--kubeconfig", str(bad), "get", "nodes"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -21,7 +21,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from control.kube.planner import PoolSettings, plan_objects
+from control.kube.manifests import PoolSettings
 from sim.kubeapi.deployments import POD_TEMPLATE_HASH
 from sim.kubeapi.objects import job_node, make_node, make_pod
 from sim.kubeapi.patches import strategic_merge_patch
@@ -29,13 +29,13 @@ from sim.kubeapi.scheduler import Unschedulable, pick_node
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import SimNode
 from sim.pools import gpu_node
-from tests.kubectl import kubectl
+from tests.kubectl import kubectl, kubectl_binary
+from tests.planning import plan_objects
 from tests.test_kubelet import needs_root, open_cluster, uuids
 from tests.test_pool_reconcile import gpu_request, reconciler, until
 
 pytest_plugins = ["tests.kube_fixtures"]
 
-KUBECTL = "kubectl"
 HELM = Path(sys.executable).parent / "helm"
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY_SH = REPO / "deploy" / "deploy.sh"
@@ -369,7 +369,7 @@ async def test_a_pool_gets_a_worker_for_the_cards_the_scaled_down_model_server_f
         assert kube.jobs() == []
 
         scale = ["scale", "deployment", "model-server", "--replicas=0", "-n", NS]
-        await trio.run_process([KUBECTL, "--kubeconfig", str(kubeconfig), *scale])
+        await trio.run_process([kubectl_binary(), "--kubeconfig", str(kubeconfig), *scale])
         await until(r, lambda: bool(kube.jobs()))
         (job,) = kube.jobs()
         assert gpu_request(job) == "4"

@@ -20,6 +20,7 @@ from kubernetes.client.rest import ApiException
 from sim.kubeapi.model import RBAC
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
+from tests.kubectl import kubectl_binary
 
 pytest_plugins = ["tests.kube_fixtures"]
 
@@ -394,7 +395,7 @@ def test_deleting_the_serviceaccount_revokes_its_token(kube: KubeStandin) -> Non
 
 def _kubectl(kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["kubectl", "--kubeconfig", str(kubeconfig), *args],
+        [kubectl_binary(), "--kubeconfig", str(kubeconfig), *args],
         capture_output=True,
         text=True,
         timeout=60,

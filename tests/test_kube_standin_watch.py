@@ -23,6 +23,7 @@ from urllib3.exceptions import ProtocolError
 from sim.kubeapi.model import RESOURCES
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
+from tests.kubectl import kubectl_binary
 from tests.test_kube_standin_rbac import _binding, _join, _role, _rule
 
 pytest_plugins = ["tests.kube_fixtures"]
@@ -337,7 +338,7 @@ def test_watch_is_its_own_verb(kube: KubeStandin) -> None:
 def test_kubectl_get_watch(kube: KubeStandin, kubeconfig: Path) -> None:
     kube.add_node(make_node("gpu-1"))
     proc = subprocess.Popen(
-        ["kubectl", "--kubeconfig", str(kubeconfig), "get", "pods", "-A", "-w"],
+        [kubectl_binary(), "--kubeconfig", str(kubeconfig), "get", "pods", "-A", "-w"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -2,7 +2,7 @@
 
 Jobs are the controlplane's own manifests (`job_manifest`), created through the Kubernetes
 stand-in Job first, token Secret after, as the reconcile does. A real controlplane
-(`serve_controlplane`) is told the worker's token and asked for the worker's own view of itself,
+(`run_controlplane`) is told the worker's token and asked for the worker's own view of itself,
 so what is checked is what the agent got: its token, its env and its cards by UUID.
 """
 
@@ -19,19 +19,18 @@ import attrs
 import pytest
 import trio
 
-from control.api.server import Controlplane, serve_controlplane
-from control.kube.planner import (
-    CreateJob,
+from control.api.server import Controlplane
+from control.kube.manifests import (
     PoolSettings,
     job_manifest,
     job_name,
-    plan_objects,
-    pod_request,
     token_secret_name,
     with_job_uid,
 )
+from control.kube.planner import CreateJob, pod_request
 from nvml.standin import standin_device
 from sim.configs import Pki, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.kubeapi.objects import make_pod
 from sim.kubeapi.store import KubeStandin
 from sim.kubelet import (
@@ -43,6 +42,7 @@ from sim.kubelet import (
     pod_gpus,
     resolve_env,
 )
+from tests.planning import plan_objects
 from workerapi.models import WorkerInfo
 
 pytest_plugins = ["tests.kube_fixtures"]
@@ -132,7 +132,7 @@ async def open_cluster(
     kube.add_namespace(NAMESPACE)
     pki = make_pki(tmp_path)
     async with trio.open_nursery() as nursery:
-        control: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+        control: Controlplane = await nursery.start(run_controlplane, control_config(pki))
         kubelet = SimulatedKubelet(kube, tmp_path / "kubelet", nodes, extra_env=AGENT_ENV)
         await nursery.start(kubelet.run)
         yield Cluster(kube, kubelet, control, pki)

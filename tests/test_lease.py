@@ -22,7 +22,7 @@ import pytest
 import trio
 from kubernetes.client.exceptions import ApiException
 
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.cli.main import main as cli_main
 from control.config import ConfigError, LeaderElectionSettings, parse
 from control.kube.adapter import (
@@ -49,6 +49,7 @@ from control.kube.lease import (
 from control.kube.pools import load_pools
 from sim.cluster import OWN_NAMESPACE, controlplane_pod, grant_leases
 from sim.configs import API_TOKEN, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.kubeapi.store import KubeStandin
 from sim.pools import gpu_node, jobs_created, pool_block
 from tests.test_pool_reconcile import run_pods_of_jobs, until
@@ -506,7 +507,7 @@ async def replica(nursery: trio.Nursery, kube: KubeStandin, directory: Path) -> 
     async def serve(*, task_status: trio.TaskStatus[Controlplane]) -> None:
         try:
             with scope:
-                await serve_controlplane(config, task_status=task_status)
+                await run_controlplane(config, task_status=task_status)
         finally:
             done.set()
 
@@ -528,16 +529,19 @@ async def test_two_controlplanes_share_a_pool_and_hand_it_over(
     two = await replica(nursery, kube, tmp_path / "two")
     assert one.control.identity != two.control.identity
     replicas = (one, two)
-    await wait_for(lambda: sum(bool(r.control.pools) for r in replicas) == 1)
-    leader, other = replicas if one.control.pools else replicas[::-1]
-    (reconciling,) = leader.control.pools
+    await wait_for(lambda: sum(bool(r.control.runner.pools) for r in replicas) == 1)
+    leader, other = replicas if one.control.runner.pools else replicas[::-1]
+    (reconciling,) = leader.control.runner.pools
     await until(reconciling, lambda: len(kube.jobs()) == 2)
     await reconciling.reconcile_once()
     # Exactly one Job per node, from the one replica that reconciles the pool.
     assert jobs_created(kube) == 2
-    assert other.control.pools == []
-    (view,) = other.control.pool_views()
-    assert view.leader == leader.control.identity and view.machines == 0
+    assert other.control.runner.pools == []
+    # The standby names the leader once its elector has read the Lease (its first try may
+    # still be under way when the leader's first pass is done).
+    await wait_for(lambda: other.control.runner.pool_views()[0].leader == leader.control.identity)
+    (view,) = other.control.runner.pool_views()
+    assert view.machines == 0
     lease = kube.get("leases", LEASE, OWN_NAMESPACE)
     assert lease is not None and lease["spec"]["holderIdentity"] == leader.control.identity
 
@@ -552,8 +556,8 @@ async def test_two_controlplanes_share_a_pool_and_hand_it_over(
     # The leader stops (a rolling update): the other takes the pool over and starts nothing
     # twice, its workers adopted from the Jobs and their token Secrets.
     await leader.stop()
-    await wait_for(lambda: bool(other.control.pools))
-    (taken_over,) = other.control.pools
+    await wait_for(lambda: bool(other.control.runner.pools))
+    (taken_over,) = other.control.runner.pools
     await until(
         taken_over,
         lambda: (
@@ -564,11 +568,11 @@ async def test_two_controlplanes_share_a_pool_and_hand_it_over(
     await taken_over.reconcile_once()
     await taken_over.reconcile_once()
     assert jobs_created(kube) == 2 and len(kube.jobs()) == 2
-    (view,) = other.control.pool_views()
+    (view,) = other.control.runner.pool_views()
     assert view.leader == other.control.identity and view.machines == 2
 
     # A pool removed from the config has its workers removed and its Lease released.
-    await other.control.set_pools([])
+    await other.control.runner.set_pools([])
     assert kube.jobs() == []
     lease = kube.get("leases", LEASE, OWN_NAMESPACE)
     assert lease is not None and lease["spec"]["holderIdentity"] == ""
@@ -590,7 +594,7 @@ async def test_leader_election_outside_a_pod_is_refused_naming_the_field(
     with trio.fail_after(20):
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(serve_controlplane, config)
+                await nursery.start(run_controlplane, config)
         except* ConfigError as group:
             refused = flatten(group)
     (error,) = refused

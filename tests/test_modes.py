@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,9 @@ import trio
 from agent.daemon.config import AgentConfig
 from agent.daemon.register import failure_reason, register_once
 from agent.daemon.run import run_agent
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from sim.configs import WORKER_TOKENS, Pki, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.workers import agent_config
 from tests.hash_service import check_through_hash_service, open_hash_service
 from wire.client import WorkerUnavailable
@@ -38,7 +40,7 @@ def pki(tmp_path: Path) -> Pki:
 
 @pytest.fixture
 async def control(pki: Pki, nursery: trio.Nursery) -> Controlplane:
-    cp: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+    cp: Controlplane = await nursery.start(run_controlplane, control_config(pki))
     return cp
 
 
@@ -58,6 +60,48 @@ async def start_agent(
 async def client(control: Controlplane, worker_id: str) -> WorkerClient:
     with trio.fail_after(10):
         return await control.registry.client_for(worker_id)
+
+
+async def wait_next_tunnel(
+    control: Controlplane, worker_id: str, old: WorkerClient
+) -> WorkerClient:
+    """The worker's next tunnel, once it has landed (the registry's listeners say when)."""
+    landed = trio.Event()
+    tunnel: list[WorkerClient] = []
+
+    def check() -> None:
+        entry = control.registry.entry(worker_id)
+        new = entry.tunnel if entry is not None else None
+        if not landed.is_set() and new is not None and new is not old:
+            tunnel.append(new)
+            landed.set()
+
+    control.registry.listeners.append(check)
+    try:
+        check()
+        await landed.wait()
+    finally:
+        control.registry.listeners.remove(check)
+    return tunnel[0]
+
+
+@contextlib.contextmanager
+def log_sentinel(text: str) -> Iterator[trio.Event]:
+    """An event set once a log record containing `text` is emitted, from any thread."""
+    seen = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    class Sentinel(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if text in record.getMessage():
+                token.run_sync_soon(seen.set)
+
+    handler = Sentinel()
+    logging.getLogger().addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logging.getLogger().removeHandler(handler)
 
 
 @pytest.fixture(params=MODES)
@@ -131,11 +175,7 @@ async def test_tunnel_cut_reconnects(
     assert isinstance(tcp, trio.SocketStream)
     tcp.socket.shutdown(socket.SHUT_RDWR)
     with trio.fail_after(10):
-        while True:
-            second = await control.registry.client_for("w-tunnel")
-            if second is not first:
-                break
-            await trio.sleep(0.05)
+        second = await wait_next_tunnel(control, "w-tunnel", first)
     with trio.fail_after(5):
         assert (await second.health()).status == "ok"
 
@@ -146,18 +186,22 @@ async def test_controlplane_restart(pki: Pki, nursery: trio.Nursery) -> None:
 
     async def run_control(port: int, *, task_status: trio.TaskStatus[None]) -> None:
         with scope:
-            cp = await nursery.start(serve_controlplane, control_config(pki, port=port))
+            cp = await nursery.start(run_controlplane, control_config(pki, port=port))
             started.append(cp)
             task_status.started()
             await trio.sleep_forever()
 
     first_scope = trio.CancelScope()
+    first_gone = trio.Event()
 
     async def first(*, task_status: trio.TaskStatus[Controlplane]) -> None:
-        with first_scope:
-            async with trio.open_nursery() as inner:
-                cp = await inner.start(serve_controlplane, control_config(pki))
-                task_status.started(cp)
+        try:
+            with first_scope:
+                async with trio.open_nursery() as inner:
+                    cp = await inner.start(run_controlplane, control_config(pki))
+                    task_status.started(cp)
+        finally:
+            first_gone.set()
 
     cp1: Controlplane = await nursery.start(first)
     port = cp1.port
@@ -165,9 +209,10 @@ async def test_controlplane_restart(pki: Pki, nursery: trio.Nursery) -> None:
         await start_agent(nursery, pki, cp1, mode)
         assert (await (await client(cp1, f"w-{mode}")).health()).status == "ok"
     first_scope.cancel()  # the controlplane goes away...
-    await trio.sleep(0.2)
+    with trio.fail_after(10):
+        await first_gone.wait()
     async with trio.open_nursery() as n2:
-        cp2: Controlplane = await n2.start(serve_controlplane, control_config(pki, port=port))
+        cp2: Controlplane = await n2.start(run_controlplane, control_config(pki, port=port))
         # ...and comes back on the same address: every agent is back without intervention.
         for mode in MODES:
             assert (await (await client(cp2, f"w-{mode}")).health()).status == "ok"
@@ -177,10 +222,12 @@ async def test_controlplane_restart(pki: Pki, nursery: trio.Nursery) -> None:
 async def test_wrong_token_tunnel_is_refused(
     pki: Pki, control: Controlplane, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
-    await start_agent(nursery, pki, control, "tunnel", token="not-the-token")
-    with trio.move_on_after(1.5):
-        await control.registry.client_for("w-tunnel")
-        pytest.fail("a tunnel with a wrong token was accepted")
+    with log_sentinel("refused") as refused:
+        await start_agent(nursery, pki, control, "tunnel", token="not-the-token")
+        with trio.fail_after(10):
+            await refused.wait()
+    entry = control.registry.entry("w-tunnel")
+    assert entry is None or entry.tunnel is None, "a tunnel with a wrong token was accepted"
     assert any("refused" in r.getMessage() for r in caplog.records)
     assert not any("not-the-token" in r.getMessage() for r in caplog.records)
 
@@ -257,9 +304,7 @@ async def test_tunnel_max_age_drains_in_flight_streams(
     await stream.send_all(block)
     expected.update(block)
     with trio.fail_after(10):
-        # The roll-over happens in the agent's process time; poll for its effect here.
-        while (second := await control.registry.client_for("w-tunnel")) is first:  # noqa: ASYNC110
-            await trio.sleep(0.05)
+        second = await wait_next_tunnel(control, "w-tunnel", first)
     assert first.conn.draining  # the old tunnel got GOAWAY; new requests take the new one
     assert (await second.health()).status == "ok"
     # The stream opened before the roll-over finishes on the old tunnel.

@@ -54,7 +54,9 @@ async def client(store: ObjectStore, nursery: trio.Nursery) -> AsyncIterator[Wor
     add_object_routes(router, store)
     server_side, client_side = trio.testing.memory_stream_pair()
     conn = Http2Connection(
-        server_side, client_side=False, handler=Service(router, authenticate=bearer_auth(TOKEN))
+        server_side,
+        client_side=False,
+        handler=Service(router, program="worker", authenticate=bearer_auth(TOKEN)),
     )
     nursery.start_soon(conn.run)
     async with open_worker_client(client_side, token=TOKEN) as c:

@@ -494,7 +494,7 @@ async def test_eviction_takes_least_recently_used_and_keeps_pinned(tmp_path: Pat
     # LRU order: a (pinned), c, d, b. Two of the unpinned must go: c and d.
     assert await store.evict() == [c, d]
     assert [store.contains(x) for x in (a, b, c, d)] == [True, True, False, False]
-    store.unpin(a, "container-1")
+    store.unpin_owner("container-1")
     store.budget_bytes = 0
     assert await store.evict() == [b]  # container-2 still holds a
     store.unpin_owner("container-2")
@@ -541,5 +541,5 @@ async def test_a_pin_held_by_another_store_on_the_directory_blocks_eviction(
     mine.pin(held.digest, "container-1")
     assert await theirs.evict() == [loose.digest]
     assert mine.contains(held.digest)
-    mine.unpin(held.digest, "container-1")
+    mine.unpin_owner("container-1")
     assert await theirs.evict() == [held.digest]

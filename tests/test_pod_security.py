@@ -21,12 +21,13 @@ import trio
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from control.api.server import machine_list
+from control.api.pools import machine_list
 from control.cli.main import main as cli_main
 from control.kube.adapter import KubeRefused, Operation, translate_api_exception
 from control.kube.join import JoinError, open_cluster_side, probe_refusal
 from control.kube.loop import PoolStatus
-from control.kube.planner import JobFacts, PoolSettings, job_manifest, token_secret_name
+from control.kube.manifests import PoolSettings, job_manifest, token_secret_name
+from control.kube.planner import JobFacts
 from control.kube.podsecurity import (
     ENFORCE_LABEL,
     namespace_refusal,

@@ -24,13 +24,14 @@ import attrs
 import pytest
 import trio
 
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.cli.main import main as cli_main
-from control.kube.caches import Clusters
+from control.kube.caches import open_clusters
 from control.kube.loop import PoolReconciler
 from control.kube.pools import load_pools
-from control.workers.registry import WorkerRegistry
+from control.workers.registry import open_worker_registry
 from sim.configs import API_TOKEN, Pki, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
 from sim.pools import gpu_node, jobs_created, pool_block
@@ -58,9 +59,12 @@ async def reconciler(
 ) -> AsyncIterator[PoolReconciler]:
     """A pool's reconciler running its loop, as the controlplane runs it."""
     pool = load_pools([block or pool_block(kube, **kubernetes)]).pools[0]
-    async with trio.open_nursery() as nursery:
-        registry = WorkerRegistry({}, nursery)
-        async with Clusters(nursery).use(pool) as cluster:
+    async with (
+        open_worker_registry({}) as registry,
+        open_clusters() as clusters,
+        trio.open_nursery() as nursery,
+    ):
+        async with clusters.use(pool) as cluster:
             r = PoolReconciler(
                 pool, cluster, registry, controlplane_url=CONTROLPLANE_URL, clock=clock or Clock()
             )
@@ -262,8 +266,8 @@ async def serve_pool(
     pki = make_pki(tmp_path)
     config = control_config(pki)
     config = attrs.evolve(config, worker=attrs.evolve(config.worker, pools=(pool_block(kube),)))
-    control: Controlplane = await nursery.start(serve_controlplane, config)
-    (reconciling,) = control.pools
+    control: Controlplane = await nursery.start(run_controlplane, config)
+    (reconciling,) = control.runner.pools
     with trio.fail_after(20):
         while reconciling.status.passed_at is None:
             await reconciling.passes.park()
@@ -356,12 +360,12 @@ async def test_a_worker_job_runs_an_agent_that_registers_and_shows_ready(
     )
     control: Controlplane = await nursery.start(
         functools.partial(
-            serve_controlplane,
+            run_controlplane,
             config,
             pool_env={"LEVERS9_CONTROLPLANE_CA": str(pki.ca_file)},
         )
     )
-    (reconciling,) = control.pools
+    (reconciling,) = control.runner.pools
     with trio.fail_after(20):
         while not kube.jobs():
             await reconciling.passes.park()
@@ -412,15 +416,15 @@ async def test_removing_a_pool_deletes_its_workers_but_not_the_namespace(
     config = attrs.evolve(
         config, worker=attrs.evolve(config.worker, pools=(pool_block(kube), other))
     )
-    control: Controlplane = await nursery.start(serve_controlplane, config)
+    control: Controlplane = await nursery.start(run_controlplane, config)
     await poll_until(lambda: len(kube.jobs()) == 2)
-    await control.set_pools(load_pools([other]).pools)
+    await control.runner.set_pools(load_pools([other]).pools)
     remaining = [j["metadata"]["labels"]["levers9.dev/pool"] for j in kube.jobs()]
     assert remaining == ["other"]
     assert len(kube.secrets("levers9")) == 1
     assert kube.get("namespaces", "levers9") is not None
     assert {n["metadata"]["name"] for n in kube.objects("nodes")} == {"node-9", "other-1"}
-    assert [r.settings.name for r in control.pools] == ["other"]
+    assert [r.settings.name for r in control.runner.pools] == ["other"]
 
 
 async def test_the_controlplane_process_applies_its_pools_again_on_sighup(

@@ -8,31 +8,30 @@ from typing import Any
 
 import pytest
 
+from control.kube.manifests import (
+    PoolSettings,
+    job_manifest,
+    job_name,
+    token_secret_name,
+    with_job_uid,
+)
 from control.kube.planner import (
     CreateJob,
     CreateSecret,
     DeleteJob,
     Machine,
     NotAMachine,
-    PoolSettings,
     Resources,
-    Selector,
     WorkerRecord,
-    cpu_millis,
-    job_manifest,
-    job_name,
-    label_selector_text,
-    memory_bytes,
     node_facts,
-    plan_objects,
     pod_facts,
     pod_request,
-    selector_matches,
-    token_secret_name,
-    with_job_uid,
 )
 from control.kube.planner import machine_of as machine_of_facts
+from control.kube.quantities import cpu_millis, memory_bytes
+from control.kube.selectors import Selector, label_selector_text, selector_matches
 from control.models import WorkerState
+from tests.planning import plan_objects
 from wire.errors import ApiError
 
 NOW = 1_700_000_000.0

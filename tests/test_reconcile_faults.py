@@ -20,7 +20,7 @@ import trio
 from control.cli.main import main as cli_main
 from control.db.base import TaskStoreError
 from control.kube.loop import settings_of
-from control.kube.planner import job_manifest, job_name, token_secret_name
+from control.kube.manifests import job_manifest, job_name, token_secret_name
 from control.kube.pools import load_pools
 from sim.configs import API_TOKEN
 from sim.kubeapi.objects import job_node

@@ -13,12 +13,13 @@ import attrs
 import pytest
 import trio
 
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.cli.main import main as cli_main
-from control.kube.caches import Clusters
+from control.kube.caches import open_clusters
 from control.kube.planner import PodFacts
 from control.kube.pools import load_pools
 from sim.configs import API_TOKEN, control_config, make_pki
+from sim.controlplane import run_controlplane
 from sim.kubeapi.objects import make_node, make_pod
 from sim.kubeapi.store import KubeStandin
 from sim.pools import gpu_node, jobs_created, pool_block
@@ -169,8 +170,8 @@ async def test_a_neighbour_scaling_down_shows_in_machine_list_long_before_the_pe
     config = control_config(pki)
     block = pool_block(kube, reconcileSeconds=3600)
     config = attrs.evolve(config, worker=attrs.evolve(config.worker, pools=(block,)))
-    control: Controlplane = await nursery.start(serve_controlplane, config)
-    (reconciling,) = control.pools
+    control: Controlplane = await nursery.start(run_controlplane, config)
+    (reconciling,) = control.runner.pools
     await until(reconciling, lambda: True)
     args = ["--controlplane", f"https://127.0.0.1:{control.port}", "--token", API_TOKEN]
     args += ["--ca", str(pki.ca_file), "machine", "list", "--json"]
@@ -202,8 +203,8 @@ async def test_two_pools_of_one_cluster_share_its_pod_and_job_caches(
     config = attrs.evolve(
         config, worker=attrs.evolve(config.worker, pools=(pool_block(kube), other))
     )
-    control: Controlplane = await nursery.start(serve_controlplane, config)
-    first, second = control.pools
+    control: Controlplane = await nursery.start(run_controlplane, config)
+    first, second = control.runner.pools
     await until(first, lambda: bool(first.status.machines))
     await until(second, lambda: bool(second.status.machines))
     assert first.caches.pods is second.caches.pods
@@ -254,8 +255,7 @@ async def test_a_pool_that_stops_leading_while_it_takes_its_caches_leaves_them_u
         load_pools([pool_block(kube, selector={"levers9.dev/test-pool": "other"})]).pools[0],
         name="other",
     )
-    async with trio.open_nursery() as nursery:
-        clusters = Clusters(nursery)
+    async with open_clusters() as clusters:
         async with clusters.use(other):
             for steps in range(1, 25):
                 with trio.CancelScope() as scope:
@@ -272,4 +272,3 @@ async def test_a_pool_that_stops_leading_while_it_takes_its_caches_leaves_them_u
                         for cache in cluster.caches.all():
                             await cache.first_outcome.wait()
                             assert cache.error is None, (steps, cache.collection)
-        nursery.cancel_scope.cancel()

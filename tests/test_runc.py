@@ -22,14 +22,13 @@ import attrs
 import pytest
 import trio
 
-from agent.host.cgroups import CgroupError, oom_killed, read_cgroup_limits, remove_cgroup
+from agent.host.cgroups import CgroupError, oom_killed, remove_cgroup
 from agent.runtime.ocispec import Bind, Limits, RuntimeSpec, exec_process, write_bundle
 from agent.runtime.runc import (
     Runc,
     RuncError,
     ShimHandle,
     ShimLost,
-    checkpoint_support,
     error_code,
     read_exit,
     run_container,
@@ -38,6 +37,7 @@ from agent.runtime.runc import (
     wait_exit,
 )
 from agent.runtime.shim import shim_path
+from tests.cgroups import read_cgroup_limits
 from wire.errors import ErrorCode
 
 _needs_runc = pytest.mark.skipif(
@@ -528,22 +528,3 @@ async def test_exec_in_an_unknown_container_is_not_found(lab: Lab) -> None:
         await lab.runc.exec(spec.container_id, exec_process(spec, ["true"]), tty=False)
     assert caught.value.code is ErrorCode.NOT_FOUND
     assert spec.container_id in caught.value.message
-
-
-# -- checkpoint -----------------------------------------------------------------------------------
-
-
-@containers
-async def test_checkpoint_says_clearly_why_it_is_unavailable(lab: Lab) -> None:
-    supported, why = checkpoint_support()
-    if supported:
-        pytest.skip(reason="criu works on this kernel; this test is for nodes where it does not")
-    assert why.startswith(("criu check failed: ", "criu is not installed"))
-    started = await lab.run("checkpoint", "sleep", "1000")
-    with pytest.raises(RuncError) as caught:
-        await lab.runc.checkpoint(started.spec.container_id, lab.base / "checkpoint")
-    assert caught.value.code is ErrorCode.FAILED_PRECONDITION
-    assert "process checkpoint is unavailable on this node" in caught.value.message
-    assert why in caught.value.message
-    state = await lab.runc.state(started.spec.container_id)
-    assert state is not None and state.status == "running"

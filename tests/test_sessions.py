@@ -14,12 +14,13 @@ import httpx
 import pytest
 import trio
 
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.config import DatabaseSettings, parse
 from control.db.open import open_database
 from control.ui.session import COOKIE, SessionLimits, session_hash
 from control.ui.sessions import SessionStore
 from sim.configs import Pki, make_pki
+from sim.controlplane import run_controlplane
 from tests.test_tasks import Where, stored_bytes
 
 pytest_plugins = ["tests.postgres_fixtures"]
@@ -125,8 +126,8 @@ async def test_replicas_honour_each_others_sessions_and_forget_removed_workspace
     # The second replica's config has team-b's token removed.
     second_config = replica_config(pki, postgres_database, [team_a, {"name": "team-b"}])
     async with trio.open_nursery() as nursery:
-        first: Controlplane = await nursery.start(serve_controlplane, first_config)
-        second: Controlplane = await nursery.start(serve_controlplane, second_config)
+        first: Controlplane = await nursery.start(run_controlplane, first_config)
+        second: Controlplane = await nursery.start(run_controlplane, second_config)
         sessions = {}
         for name, token in (("a", TOKEN_A), ("b", TOKEN_B)):
             # A client each: signing in again from one browser ends its previous session.

@@ -38,14 +38,14 @@ from agent.runtime.manager import (
     ShutdownBudget,
     open_container_manager,
 )
-from agent.runtime.records import Container, ContainerRecord, ContainerState
+from agent.runtime.records import Container, ContainerRecord
 from agent.volumes.rclone import find_rclone
-from control.kube.planner import TERMINATION_GRACE_S
+from control.kube.manifests import TERMINATION_GRACE_S
 from sim.configs import read_line
 from sim.s3 import s3_credentials
 from tests.leftovers import assert_nothing_left, force_clean, mounts_under, rclones_under
 from wire.errors import dumps, loads
-from workerapi.models import ContainerSpec, VolumeSpec
+from workerapi.models import ContainerSpec, ContainerState, VolumeSpec
 
 if TYPE_CHECKING:
     from sim.s3 import S3Server

@@ -19,7 +19,7 @@ import trio
 
 from agent.runtime.spec import validate_spec as validate_container
 from agent.volumes.specs import validate_volume
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.cli.client import open_control_client
 from control.cli.main import main
 from control.cli.output import format_details, render_table, task_details, visible
@@ -27,10 +27,16 @@ from control.config import parse
 from control.models import TaskRequest, TaskState, TaskView
 from control.tasks.store import TaskSpec
 from sim.configs import Pki, make_pki
+from sim.controlplane import run_controlplane
 from wire.errors import ApiError, decode_json, dumps, loads, too_deep
 from wire.service import MAX_JSON_BODY_BYTES
 from workerapi.models import ContainerSpec, S3Credentials, VolumeSpec
-from workerapi.validation import canonical_mount_path, check_env_name
+from workerapi.validation import (
+    MIN_CPU_MILLIS,
+    MIN_MEMORY_BYTES,
+    canonical_mount_path,
+    check_env_name,
+)
 
 TOKEN = "strict-input-token-0123456789"
 S3_KEYS = {"accessKeyId": "AKIDEXAMPLE", "secretAccessKey": "bucket-secret-9999"}
@@ -278,7 +284,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
         }
     )
     async with trio.open_nursery() as nursery:
-        control: Controlplane = await nursery.start(serve_controlplane, config)
+        control: Controlplane = await nursery.start(run_controlplane, config)
         yield Served(control, pki, database)
         nursery.cancel_scope.cancel()
 
@@ -318,6 +324,27 @@ async def test_the_api_refuses_loose_input_naming_the_field(
     error = answer.json()
     assert (error["code"], error["field"]) == ("INVALID_ARGUMENT", field)
     assert await served.control.dispatcher.store.list("team", None, 10, None) == ()
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "minimum"),
+    [
+        (b'{"image":"busybox","memoryBytes":1}', "memoryBytes", MIN_MEMORY_BYTES),
+        (b'{"image":"busybox","cpuMillis":1}', "cpuMillis", MIN_CPU_MILLIS),
+    ],
+)
+async def test_a_limit_no_worker_can_start_is_refused_at_create(
+    served: Served, body: bytes, field: str, minimum: int
+) -> None:
+    # Once accepted (201), placed, and failed on the worker: now refused before it is stored.
+    answer = await post_task(served, body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert (error["code"], error["field"]) == ("INVALID_ARGUMENT", field)
+    assert f"at least {minimum} " in error["message"]
+    assert await served.control.dispatcher.store.list("team", None, 10, None) == ()
+    least = f'{{"image":"busybox","memoryBytes":{MIN_MEMORY_BYTES},"cpuMillis":{MIN_CPU_MILLIS}}}'
+    assert (await post_task(served, least.encode())).status_code == 201
 
 
 async def test_deep_json_is_a_400_not_a_500(served: Served) -> None:

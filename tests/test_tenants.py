@@ -24,7 +24,7 @@ from agent.runtime.images.guard import parse_fib_trie, parse_if_inet6
 from agent.runtime.images.puller import ImagePuller
 from agent.store.objects import ObjectStore
 from control.api import watch
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.api.watch import apply_changes, page_changes
 from control.config import (
     ConfigError,
@@ -33,7 +33,7 @@ from control.config import (
     WorkspaceLimits,
     parse,
 )
-from control.kube.planner import PoolSettings, job_manifest
+from control.kube.manifests import PoolSettings, job_manifest
 from control.limits import (
     TenantGuard,
     TokenBucket,
@@ -45,6 +45,7 @@ from control.limits import (
 from control.models import TaskList, TaskState, TaskView
 from control.tasks.store import TaskSpec
 from sim.configs import Pki, make_pki
+from sim.controlplane import run_controlplane
 from wire.errors import ApiError, dumps
 from workerapi.reference import local_registry_refusal
 
@@ -267,7 +268,7 @@ async def control(tmp_path: Path) -> AsyncIterator[tuple[Controlplane, Pki]]:
         }
     )
     async with trio.open_nursery() as nursery:
-        running: Controlplane = await nursery.start(serve_controlplane, config)
+        running: Controlplane = await nursery.start(run_controlplane, config)
         yield running, pki
         nursery.cancel_scope.cancel()
 

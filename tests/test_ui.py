@@ -14,7 +14,7 @@ import httpx
 import pytest
 import trio
 
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.config import parse
 from control.tasks.store import TaskSpec
 from control.ui.session import (
@@ -28,6 +28,7 @@ from control.ui.session import (
     same_origin,
 )
 from sim.configs import Pki, make_pki
+from sim.controlplane import run_controlplane
 
 TOKEN_A = "team-a-token-0123456789"
 TOKEN_B = "team-b-token-0123456789"
@@ -121,7 +122,7 @@ async def control(tmp_path: Path) -> AsyncIterator[tuple[Controlplane, Pki]]:
         }
     )
     async with trio.open_nursery() as nursery:
-        running: Controlplane = await nursery.start(serve_controlplane, config)
+        running: Controlplane = await nursery.start(run_controlplane, config)
         yield running, pki
         nursery.cancel_scope.cancel()
 

@@ -16,12 +16,13 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from control.api.server import Controlplane, serve_controlplane
+from control.api.server import Controlplane
 from control.cli.client import ControlClient, open_control_client
 from control.config import MetricsSettings
 from control.metrics import ControlMetrics
 from control.workers.forward import WORKER_HEADER
 from sim.configs import Pki, control_config, make_pki
+from sim.controlplane import run_controlplane
 from wire.untrusted import CLIP_CHARS, METHODS, OTHER, clip, method_label, status_label
 
 # -- pure --------------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     pki = make_pki(tmp_path)
     config = attrs.evolve(control_config(pki), metrics=MetricsSettings(listen="127.0.0.1:0"))
     async with trio.open_nursery() as nursery:
-        control: Controlplane = await nursery.start(serve_controlplane, config)
+        control: Controlplane = await nursery.start(run_controlplane, config)
         yield Served(control, pki)
         nursery.cancel_scope.cancel()
 

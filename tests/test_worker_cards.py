@@ -12,9 +12,16 @@ from pathlib import Path
 
 import trio
 
-from control.api.server import Controlplane, serve_controlplane
-from nvml.standin import StandinProcess, nvlinked_node, standin_environ, write_node
+from control.api.server import Controlplane
+from nvml.standin import (
+    StandinProcess,
+    nvlinked_node,
+    standin_device,
+    standin_environ,
+    write_node,
+)
 from sim.configs import WORKER_TOKENS, control_config, make_pki
+from sim.controlplane import run_controlplane
 
 pytest_plugins = ["tests.nvml_fixtures"]
 
@@ -23,7 +30,7 @@ async def test_worker_reports_claimed_cards(
     tmp_path: Path, standin_library: Path, nursery: trio.Nursery
 ) -> None:
     pki = make_pki(tmp_path)
-    control: Controlplane = await nursery.start(serve_controlplane, control_config(pki))
+    control: Controlplane = await nursery.start(run_controlplane, control_config(pki))
     node = nvlinked_node(4, {2: {"processes": (StandinProcess(pid=424242),)}})
     description = write_node(tmp_path / "node.json", node)
     env = dict(os.environ)
@@ -67,10 +74,12 @@ async def test_agent_self_check_command_reports_cards(
 ) -> None:
     import json
 
-    description = write_node(tmp_path / "node.json", nvlinked_node(2))
+    # Two cards; the second fell off the bus (XID 79), so the worker would not use it.
+    description = write_node(tmp_path / "node.json", nvlinked_node(2, {1: {"xids": (79,)}}))
     env = dict(os.environ)
     env.update(standin_environ(standin_library, description))
     env["NVIDIA_VISIBLE_DEVICES"] = "all"
+    env["LEVERS9_STATE_DIR"] = str(tmp_path / "state")
     result = await trio.run_process(
         [sys.executable, "-m", "agent.daemon.cli", "self-check", "--json"],
         env=env,
@@ -78,8 +87,16 @@ async def test_agent_self_check_command_reports_cards(
         check=False,
     )
     report = json.loads(result.stdout)
-    names = [c["name"] for c in report["checks"]]
-    assert any("NVML" in n or "nvml" in n.lower() for n in names)
+    gpu = {c["name"]: c for c in report["checks"] if c["section"] == "gpu"}
+    assert (gpu["nvml"]["status"], gpu["nvml"]["reason"]) == ("ok", "NVML loads and lists 2 cards")
+    first, second = standin_device(0), standin_device(1)
+    assert gpu["card 0"]["status"] == "ok", gpu["card 0"]
+    assert gpu["card 0"]["reason"] == f"{first.uuid}, {first.name}, 80 GiB: serving"
+    assert gpu["card 1"]["status"] == "warn", gpu["card 1"]
+    assert second.uuid in gpu["card 1"]["reason"] and "XID 79" in gpu["card 1"]["reason"]
+    assert "reset the card" in gpu["card 1"]["action"]
+    assert "card 2" not in gpu
+    assert gpu["claim"]["reason"].startswith("1 of 2 cards serve"), gpu["claim"]
     statuses = {c["status"] for c in report["checks"]}
     assert statuses <= {"ok", "warn", "fail"}
     assert result.returncode == (1 if "fail" in statuses else 0)

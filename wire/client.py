@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import h2.errors
 import trio
@@ -127,12 +127,16 @@ class OpeningStream(H2ByteStream):
 class ApiClient:
     """JSON and streaming calls to one HTTP/2 API (a worker's, or the controlplane's)."""
 
+    peer: ClassVar[str] = "server"
+    """What the far end is, as an error names it: a subclass for one program names it
+    ("worker"), so that no message calls the controlplane a worker."""
+
     def __init__(
         self,
         conn: Http2Connection,
         *,
         token: str,
-        authority: str = "worker",
+        authority: str,
         extra_headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         self.conn = conn
@@ -149,7 +153,7 @@ class ApiClient:
 
     def _unavailable(self, exc: BaseException) -> WorkerUnavailable:
         return WorkerUnavailable(
-            f"worker {self.authority} unreachable: {exc}",
+            f"{self.peer} {self.authority} unreachable: {exc}",
             retryable=isinstance(exc, StreamRefused),
         )
 

@@ -277,7 +277,7 @@ class H2Stream:
         bytes (`send_data` or `end` right after), so a whole small response is one write."""
         self._check_send()
         with self._conn._h2_errors(self):
-            self._conn._proto.h2.send_headers(self.stream_id, headers, end_stream=end_stream)
+            self._conn._proto.send_headers(self.stream_id, headers, end_stream=end_stream)
         self.sent_headers = True
         if end_stream:
             self._sent_end = True
@@ -318,15 +318,13 @@ class H2Stream:
                 burst = min(window, len(view), 4 * frame)
                 piece, view = view[:burst], view[burst:]
                 with self._conn._h2_errors(self):
-                    if burst == len(data) <= frame and isinstance(data, bytes):
-                        # All of it in one frame: h2 may queue the bytes object itself.
-                        proto.h2.send_data(self.stream_id, data, end_stream=end_stream)
-                    else:
-                        for offset in range(0, burst, frame):
-                            last = offset + frame >= burst and len(view) == 0 and end_stream
-                            proto.h2.send_data(
-                                self.stream_id, piece[offset : offset + frame], end_stream=last
-                            )
+                    # The whole body in one call: a bytes object of one frame is queued uncopied.
+                    whole = burst == len(data) and isinstance(data, bytes)
+                    proto.send_data(
+                        self.stream_id,
+                        data if whole else piece,
+                        end_stream=end_stream and len(view) == 0,
+                    )
                 if end_stream and len(view) == 0:
                     self._sent_end = True
                     self._conn._settle(self)
@@ -343,7 +341,7 @@ class H2Stream:
             return
         self._check_send()
         with self._conn._h2_errors(self):
-            self._conn._proto.h2.end_stream(self.stream_id)
+            self._conn._proto.end_stream(self.stream_id)
         self._sent_end = True
         self._conn._settle(self)
         await self._conn._flush(gather=True)
@@ -356,7 +354,7 @@ class H2Stream:
         if self._error is None:
             self._fail(StreamReset(self.stream_id, error_code, by_peer=False), discard=True)
             try:
-                self._conn._proto.h2.reset_stream(self.stream_id, error_code)
+                self._conn._proto.reset_stream(self.stream_id, error_code)
             except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, KeyError):
                 pass
         try:
@@ -441,7 +439,7 @@ class H2ByteStream(trio.abc.HalfCloseableStream):
             # Our side ends cleanly, as closing a socket does: what we sent arrives, then EOF.
             # (Queued now, so a cancelled aclose still closes.)
             with contextlib.suppress(h2.exceptions.ProtocolError):
-                stream._conn._proto.h2.end_stream(stream.stream_id)
+                stream._conn._proto.end_stream(stream.stream_id)
             stream._sent_end = True
             stream._conn._settle(stream)
         if stream._error is None and not stream._eof:
@@ -658,7 +656,7 @@ class Http2Connection:
         sid = event.stream_id
         assert sid is not None
         if self._handler is None or self._handler_nursery is None or self._draining:
-            self._proto.h2.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self._proto.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
         stream = H2Stream(self, sid)
         stream._on_headers(list(event.headers or []))
@@ -938,7 +936,7 @@ class Http2Connection:
         if not self._ready.is_set():
             await self._ready.wait()
         try:
-            sid = self._proto.h2.get_next_available_stream_id()
+            sid = self._proto.next_stream_id()
         except h2.exceptions.NoAvailableStreamIDError:
             self._draining = True
             raise StreamRefused("stream ids exhausted; open the stream elsewhere") from None
@@ -947,7 +945,7 @@ class Http2Connection:
         self._opened += 1
         while True:
             try:
-                self._proto.h2.send_headers(sid, headers, end_stream=end_stream)
+                self._proto.send_headers(sid, headers, end_stream=end_stream)
                 break
             except h2.exceptions.TooManyStreamsError:
                 # Wait for one of ours to end rather than failing the caller.
@@ -1013,7 +1011,7 @@ class Http2Connection:
         opaque = next(self._ping_ids).to_bytes(8, "big")
         sent = trio.current_time()
         self._pings[opaque] = sent
-        self._proto.h2.ping(opaque)
+        self._proto.ping(opaque)
         await self._flush()
         while opaque in self._pings:
             if self._closed:
@@ -1027,7 +1025,7 @@ class Http2Connection:
             opaque = b"ka" + os.urandom(6)
             sent_at = trio.current_time()
             self._pings[opaque] = sent_at
-            self._proto.h2.ping(opaque)
+            self._proto.ping(opaque)
             try:
                 await self._flush()
             except ConnectionLost:

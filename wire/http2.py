@@ -22,7 +22,12 @@ that touches a socket:
 - every h2 error turned into one of ours (`ProtocolViolation`), with the GOAWAY already queued.
 
 Time is an argument (`now`), so the whole thing is tested by wiring two of these together,
-with bytes split at random boundaries, and no clock or socket.
+with bytes split at random boundaries, and no clock or socket. The connection layer calls
+`Http2Protocol`'s methods, never h2 itself, so those tests cover everything it asks of h2.
+
+Some of this reaches past h2's documented API (private methods overridden, its output buffer
+written, hyperframe patched): every such name is in `H2_HOOKS`, checked by
+tests/test_h2_hooks.py against the versions pyproject.toml pins.
 """
 
 from __future__ import annotations
@@ -38,10 +43,80 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.frame_buffer
 import h2.settings
+import h2.stream
 import hpack
 import hyperframe.frame
 from h2.connection import ConnectionState
+
+
+@attrs.frozen
+class Hook:
+    """One name of h2, hyperframe or hpack, beyond what they document, that this module
+    overrides, calls, reads or writes. `tests/test_h2_hooks.py` checks each against the
+    installed version, and pyproject.toml pins the versions they were written against: a
+    release that renames or reshapes one fails a test, not a connection in production."""
+
+    owner: type
+    name: str
+    parameters: tuple[str, ...] | None
+    """A method's parameters after `self`, as the pinned versions have them (h2 calls the
+    private ones positionally); None for an instance attribute."""
+    why: str
+
+
+_CONN = h2.connection.H2Connection
+H2_HOOKS: tuple[Hook, ...] = (
+    Hook(_CONN, "_prepare_for_sending", ("frames",), "overridden: large DATA queued by reference"),
+    Hook(_CONN, "_stream_is_closed_by_reset", ("stream_id",), "overridden: closed-stream flood"),
+    Hook(
+        _CONN,
+        "_handle_data_on_closed_stream",
+        ("events", "exc", "frame"),
+        "overridden: DATA on closed streams counted",
+    ),
+    Hook(_CONN, "_receive_goaway_frame", ("frame",), "overridden: GOAWAY(NO_ERROR) drains"),
+    Hook(_CONN, "_receive_frame", ("frame",), "called: a DATA frame collected apart from h2"),
+    Hook(_CONN, "_terminate_connection", ("error_code",), "called: that frame refused"),
+    Hook(
+        _CONN,
+        "send_headers",
+        (
+            "stream_id",
+            "headers",
+            "end_stream",
+            "priority_weight",
+            "priority_depends_on",
+            "priority_exclusive",
+        ),
+        "overridden: the peer's header list limit",
+    ),
+    Hook(
+        _CONN,
+        "send_data",
+        ("stream_id", "data", "end_stream", "pad_length"),
+        "overridden: DATA frames sent counted",
+    ),
+    Hook(_CONN, "data_to_send", ("amount",), "overridden: joins the parts queued apart"),
+    Hook(_CONN, "clear_outbound_data_buffer", (), "overridden: drops the parts queued apart"),
+    Hook(_CONN, "_data_to_send", None, "written: the output h2 appends to, taken as a part"),
+    Hook(_CONN, "encoder", None, "replaced by `_Encoder`"),
+    Hook(_CONN, "incoming_buffer", None, "read: whether h2 is inside a frame"),
+    Hook(h2.frame_buffer.FrameBuffer, "_data", None, "read: bytes of a frame begun"),
+    Hook(h2.frame_buffer.FrameBuffer, "_headers_buffer", None, "read: inside a header block"),
+    Hook(h2.frame_buffer.FrameBuffer, "_preamble_len", None, "read: preface not yet taken"),
+    Hook(
+        h2.connection.H2ConnectionStateMachine,
+        "state",
+        None,
+        "written back after a graceful GOAWAY",
+    ),
+    Hook(h2.stream.H2StreamStateMachine, "headers_sent", None, "read: a stream answered"),
+    Hook(hpack.Encoder, "add", ("to_add", "sensitive", "huffman"), "overridden by `_Encoder`"),
+    Hook(hyperframe.frame.DataFrame, "_body_repr", (), "replaced below, on import"),
+)
+"""Every such name, in one place: the test reads this list, so the two cannot drift."""
 
 # h2 logs `repr(frame)` for every received frame even when its logger is the do-nothing one,
 # and hyperframe's default repr of a DATA frame serialises and hex-encodes the payload: with
@@ -469,6 +544,8 @@ class Http2Protocol:
                 s.max_frames_on_closed_streams_per_window, window, "closed-stream"
             ),
         )
+        """h2's connection. Tests and benchmarks look inside it; the code that runs this
+        protocol calls the methods below instead, which the sans-IO tests cover."""
         self._frames = _FrameScanner(server=not client_side)
         self._data_head: _FrameHead | None = None
         self._data_pieces: list[bytes | memoryview] | None = None
@@ -532,6 +609,50 @@ class Http2Protocol:
     def queued_bytes(self) -> int:
         """How many bytes of frames are queued, without taking them."""
         return self.h2.queued_bytes()
+
+    # Calls in: each queues frames for `data_to_send`. h2's exceptions pass as they are
+    # (`StreamClosedError`, `ProtocolError` and its kinds); the connection turns them into
+    # errors of its own, with the stream's or the connection's cause.
+
+    def next_stream_id(self) -> int:
+        """The id a new stream of ours takes; `NoAvailableStreamIDError` once ids run out."""
+        return self.h2.get_next_available_stream_id()
+
+    def send_headers(
+        self, stream_id: int, headers: Iterable[tuple[bytes, bytes]], *, end_stream: bool = False
+    ) -> None:
+        """Queue a header block, opening the stream if it is new. `HeaderListTooLarge` over
+        the peer's header list limit, `TooManyStreamsError` past its concurrent streams."""
+        self.h2.send_headers(stream_id, headers, end_stream=end_stream)
+
+    def send_data(
+        self, stream_id: int, data: bytes | memoryview, *, end_stream: bool = False
+    ) -> None:
+        """Queue `data` as DATA frames no larger than the peer accepts, END_STREAM on the last
+        when `end_stream`. The caller has checked `send_window`. A bytes object that fits one
+        frame is queued as it is, uncopied (see `_H2Connection._prepare_for_sending`)."""
+        frame = self.h2.max_outbound_frame_size
+        if len(data) <= frame:
+            self.h2.send_data(stream_id, data, end_stream=end_stream)
+            return
+        view = memoryview(data)
+        for offset in range(0, len(view), frame):
+            last = offset + frame >= len(view)
+            self.h2.send_data(
+                stream_id, view[offset : offset + frame], end_stream=end_stream and last
+            )
+
+    def end_stream(self, stream_id: int) -> None:
+        """Queue END_STREAM (an empty DATA frame) on a stream whose body is sent."""
+        self.h2.end_stream(stream_id)
+
+    def reset_stream(self, stream_id: int, error_code: int) -> None:
+        """Queue a RST_STREAM; the stream is closed both ways from here."""
+        self.h2.reset_stream(stream_id, error_code)
+
+    def ping(self, opaque: bytes) -> None:
+        """Queue a PING carrying 8 `opaque` bytes, which the peer's ACK echoes."""
+        self.h2.ping(opaque)
 
     def receive_data(self, data: bytes | bytearray, now: float) -> list[h2.events.Event]:
         """Feed received bytes; returns h2's events or raises `ProtocolViolation`.

@@ -1,12 +1,14 @@
-"""The worker API's request handling: authentication, routing, JSON, streams and CONNECT.
+"""HTTP/2 API request handling: authentication, routing, JSON, streams and CONNECT.
 
-One `Service` serves every HTTP/2 stream the agent accepts, whichever way the connection
-came (its own TLS listener, or the tunnel it dialed): there is no second code path. The
-bearer secret is checked before any route runs. Routes are a table of (method, path
-pattern) → handler; later capabilities add theirs to the same `Router`. A handler returns a
-response value (JSON, a byte stream) or raises `ApiError`; plain CONNECT to `host:port`
-becomes a two-way byte stream to that address on the worker's side (when policy allows it)
-and RFC 8441 extended CONNECT with `:protocol websocket` reaches WebSocket routes.
+Both programs serve their API with it, the agent the worker API and the controlplane its own,
+and each names itself (`program`) in the errors it answers. One `Service` serves every HTTP/2
+stream the agent accepts, whichever way the connection came (its own TLS listener, or the
+tunnel it dialed): there is no second code path. The bearer secret is checked before any
+route runs. Routes are a table of (method, path pattern) → handler; later capabilities add
+theirs to the same `Router`. A handler returns a response value (JSON, a byte stream) or
+raises `ApiError`; plain CONNECT to `host:port` becomes a two-way byte stream to that address
+on the serving program's side (when policy allows it, or through `dial`) and RFC 8441
+extended CONNECT with `:protocol websocket` reaches WebSocket routes.
 """
 
 from __future__ import annotations
@@ -330,12 +332,13 @@ def _error_headers(status: int) -> Headers:
 
 
 class Service:
-    """Handles every stream of a worker-API connection: auth, then routing."""
+    """Handles every stream of one program's API connections: auth, then routing."""
 
     def __init__(
         self,
         router: Router,
         *,
+        program: str,
         authenticate: Authenticator,
         connect_policy: ConnectPolicy | None = None,
         resolve_name: Callable[[str, int], str] | None = None,
@@ -346,6 +349,9 @@ class Service:
         error_headers: ErrorHeaders | None = None,
     ) -> None:
         self.router = router
+        self.program = program
+        """The program serving, as its users call it ("worker", "controlplane"): errors say
+        which one failed, so a controlplane user is never told a worker did."""
         self.authenticate = authenticate
         self.authenticate_session = authenticate_session
         self.error_headers = error_headers
@@ -385,7 +391,7 @@ class Service:
             status = 500
             await self._send_error(
                 stream,
-                ApiError(ErrorCode.INTERNAL, "the worker failed to handle the request"),
+                ApiError(ErrorCode.INTERNAL, f"the {self.program} failed to handle the request"),
                 path,
                 head=method == "HEAD",
             )
@@ -591,7 +597,7 @@ class Service:
         except OSError as exc:
             raise ApiError(
                 ErrorCode.UNAVAILABLE,
-                f"cannot reach {host}:{port} on the worker: {exc.strerror or exc}",
+                f"cannot reach {host}:{port} on the {self.program}: {exc.strerror or exc}",
             ) from None
         async with target:
             await stream.send_headers([(b":status", b"200")])

@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import urllib.parse
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import h2.errors
 import trio
@@ -42,13 +42,15 @@ from workerapi.models import (
     ContainerList,
     ContainerSpec,
     ContainerStatus,
-    ExecRequest,
     Health,
     LogLine,
     SnapshotInfo,
     StopRequest,
     WorkerInfo,
 )
+
+if TYPE_CHECKING:
+    from wire.h2websocket import H2WebSocket  # wsproto, loaded for exec only
 
 
 class ObjectSink(Protocol):
@@ -62,6 +64,8 @@ class ObjectSink(Protocol):
 
 class WorkerClient(ApiClient):
     """Typed calls to one worker's API."""
+
+    peer = "worker"
 
     async def health(self) -> Health:
         result = await self.call("GET", "/v1/health", response_type=Health)
@@ -231,23 +235,10 @@ class WorkerClient(ApiClient):
             async for line in lines:
                 yield line
 
-    async def exec_in_container(
-        self,
-        container_id: str,
-        request: ExecRequest,
-        *,
-        on_output: Callable[[int, bytes], Awaitable[None]],
-        stdin: AsyncIterable[bytes] | None = None,
-    ) -> int:
-        """Run a process in the container; its output goes to `on_output(channel, data)`
-        (1 stdout, 2 stderr); returns its exit code."""
-        from workerapi.exec import run_exec
-
-        ws = await self.open_websocket(_container_path(container_id, "exec"))
-        try:
-            return await run_exec(ws, request, stdin=stdin, on_output=on_output)
-        finally:
-            await ws.aclose()
+    async def open_exec(self, container_id: str) -> H2WebSocket:
+        """The container's exec WebSocket, opened: the caller speaks `workerapi.exec` on it
+        (`run_exec`) or relays it (the controlplane's task exec), and closes it."""
+        return await self.open_websocket(_container_path(container_id, "exec"))
 
 
 def _object_path(digest: str) -> str:

@@ -3,10 +3,14 @@
 Every request and response body is an attrs class; JSON field names are camelCase on the
 wire (as Kubernetes and the controlplane's CLI print them) and snake_case in Python. Unknown
 keys are rejected, and a structuring failure is turned into an `ApiError` whose message names
-the field, so bad input is refused at the edge with something a caller can act on.
+the field, so bad input is refused at the edge with something a caller can act on. The one
+exception is a container's state: a word a newer worker may add is read and kept as it came
+(`ContainerState`), so one new state never makes a whole list unreadable.
 """
 
 from __future__ import annotations
+
+import enum
 
 import attrs
 
@@ -133,26 +137,40 @@ class VolumeSpec:
 
 
 @attrs.frozen
-class ContainerSpec:
-    """What the controlplane asks a worker to run.
+class ProcessSpec:
+    """What to run and what it is given, as a task and a container both name it.
+
+    Written once here and extended by `ContainerSpec` (the worker API) and by the controlplane's
+    `TaskRequest` and `TaskSpec` (`control.models`, `control.tasks.store`); the one validation
+    of these fields is `workerapi.validation.check_process`. A subclass's JSON is flat (these
+    keys beside its own), so sharing them changes no wire shape and no stored record.
 
     `command` replaces the image's entrypoint and `args` its cmd (Kubernetes' meaning of the
-    words); `user` is `uid[:gid]` or a name from the image's /etc/passwd; `snapshot` is the
-    digest of a snapshot layer (from this worker or copied here through the objects API) to
-    start from, on top of the image.
+    words); `snapshot` is the digest of a snapshot layer to start from, on top of the image.
     """
 
     image: str
-    id: str | None = None
     command: tuple[str, ...] | None = None
     args: tuple[str, ...] | None = None
     env: dict[str, str] = attrs.field(factory=dict)
-    workdir: str | None = None
-    user: str | None = None
     cards: int = 0
-    resources: Resources = Resources()
     ports: tuple[int, ...] = ()
     snapshot: str | None = None
+
+
+@attrs.frozen
+class ContainerSpec(ProcessSpec):
+    """What the controlplane asks a worker to run: the process (`ProcessSpec`) and what only a
+    container has.
+
+    `user` is `uid[:gid]` or a name from the image's /etc/passwd; the snapshot comes from this
+    worker or is copied here through the objects API before the container is created.
+    """
+
+    id: str | None = None
+    workdir: str | None = None
+    user: str | None = None
+    resources: Resources = Resources()
     volumes: tuple[VolumeSpec, ...] = ()
     registry_auth: RegistryAuth | None = None
     pull_policy: str = "if-not-present"
@@ -167,14 +185,51 @@ class PullStatus:
     total_bytes: int
 
 
+class ContainerState(enum.StrEnum):
+    """Where a container is in its life: what `ContainerStatus.state` says on the wire (its
+    lowercase word) and the worker's on-disk record keeps.
+
+    A word this program does not know (a state a newer worker added) is read, not refused: it
+    becomes a stand-in that keeps the word (shown and sent on as it came) and is none of the
+    members below, so a controlplane treats that container as neither being made nor ended:
+    it waits for the container's end as for a running one and, told to remove it, stops it
+    first. One new state thus never makes a whole container list unreadable.
+    """
+
+    PULLING = "pulling"
+    CREATING = "creating"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    FAILED = "failed"
+
+    @classmethod
+    def _missing_(cls, value: object) -> ContainerState | None:
+        if not isinstance(value, str):
+            return None
+        unknown = str.__new__(cls, value)
+        unknown._name_ = "UNKNOWN"
+        unknown._value_ = value
+        return unknown
+
+    @property
+    def finished(self) -> bool:
+        """The container has ended and gives nothing back any more."""
+        return self in (ContainerState.EXITED, ContainerState.FAILED)
+
+    @property
+    def settling(self) -> bool:
+        """The container is still being made (its image pulled, its rootfs prepared)."""
+        return self in (ContainerState.PULLING, ContainerState.CREATING)
+
+
 @attrs.frozen
 class ContainerStatus:
-    """A container as the worker reports it. `state` is one of pulling, creating, running,
-    stopping, exited, failed."""
+    """A container as the worker reports it."""
 
     id: str
     image: str
-    state: str
+    state: ContainerState
     created_at: float
     image_digest: str | None = None
     started_at: float | None = None

@@ -1,10 +1,11 @@
-"""Image references (`registry/repository:tag@digest`) parsed as Docker does, and which
-registries are reached over plain HTTP.
+"""Image references (`registry/repository:tag@digest`) parsed as Docker does, which
+registries are reached over plain HTTP, and the platform (`linux/amd64`) an image is chosen for.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import platform as platform_module
 import re
 from collections.abc import Iterable
 
@@ -30,6 +31,39 @@ ANY_DIGEST_RE = re.compile(r"[a-z0-9]+(?:[.+_-][a-z0-9]+)*:[a-zA-Z0-9=_-]+")
 
 class ImageError(ApiError):
     """A pull failed; the message names the image or registry and what to do about it."""
+
+
+_ARCHITECTURES = {
+    "x86_64": ("amd64", None),
+    "amd64": ("amd64", None),
+    "aarch64": ("arm64", None),
+    "arm64": ("arm64", None),
+    "armv7l": ("arm", "v7"),
+    "armv6l": ("arm", "v6"),
+    "i386": ("386", None),
+    "i686": ("386", None),
+}
+"""`uname -m` → OCI's architecture and variant."""
+
+
+@attrs.frozen
+class Platform:
+    """An image platform as an OCI index names it (`os`, `architecture`, `variant`): what a
+    worker picks from an index, and what the simulated registry writes into one."""
+
+    os: str
+    architecture: str
+    variant: str | None = None
+
+    @classmethod
+    def of_this_node(cls) -> Platform:
+        machine = platform_module.machine().lower()
+        architecture, variant = _ARCHITECTURES.get(machine, (machine, None))
+        return cls(os="linux", architecture=architecture, variant=variant)
+
+    def __str__(self) -> str:
+        text = f"{self.os}/{self.architecture}"
+        return f"{text}/{self.variant}" if self.variant else text
 
 
 @attrs.frozen

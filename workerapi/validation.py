@@ -1,10 +1,15 @@
-"""Checks on the free-text fields of a container spec that both programs apply: where a bucket
-may be mounted, what an environment variable may be called, what argv may hold.
+"""The one validation of a container spec, applied by both programs: by the controlplane when
+a task is created (a workspace token holder's request, refused with 400 naming the field before
+anything is stored or placed) and by the worker when a container is created (whatever reached
+it). A rule written once cannot drift: a task the controlplane accepts is one every worker takes,
+unless the node itself cannot (too little memory, cards it lacks, an image its policy refuses),
+and those node-dependent checks are all the worker adds (`agent.runtime.spec`).
 
-Pure functions, one place, because the same rule is enforced twice: by the controlplane at its
-edge (a workspace token holder's request, refused naming `volumes[i].mountPath`) and again by
-the worker (whatever reached it). Each raises ValueError with a message that says what to give;
-the caller names the field.
+Two levels. The spec checks (`check_process`, `check_resources`, `check_mount_paths`,
+`check_container_spec`) raise `ApiError(INVALID_ARGUMENT)` naming the field in the wire's
+camelCase spelling and saying what to give; the caller passes the prefix its own shape puts
+before a field (`resources.` in a container spec, none in a task). The free-text checks below
+them (mount path, environment name, C string) raise ValueError and leave the field to the caller.
 
 A mount target is compared only in its canonical form (`canonical_mount_path`): absolute,
 repeated slashes collapsed (a leading `//` too: `PurePosixPath` keeps it, and `//etc` once
@@ -20,6 +25,12 @@ the CLI shows them (`control.cli.output.visible`). Environment names are POSIX's
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+
+from wire.errors import ApiError, ErrorCode
+from workerapi.digests import parse_digest
+from workerapi.models import ContainerSpec, ProcessSpec
+from workerapi.reference import PULL_POLICIES, parse_reference
 
 SYSTEM_TREES = (
     "/bin",
@@ -43,6 +54,13 @@ SYSTEM_DIRECTORIES = frozenset({"/", "/tmp", "/var", *SYSTEM_TREES})
 MAX_PATH_BYTES = 4096
 """PATH_MAX: the kernel takes no longer path."""
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+CONTAINER_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+"""A container's id: it names its directory, its cgroup and its runc container."""
+MIN_MEMORY_BYTES = 8 << 20
+"""Below this runc cannot even start a container's init."""
+MIN_CPU_MILLIS = 10
+"""cgroup v2's smallest CPU quota (1 ms in each 100 ms period) is a hundredth of a core."""
+MIN_PIDS = 1
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -85,12 +103,126 @@ def check_c_string(value: str, what: str) -> None:
         raise ValueError(f"{what} contains a NUL character, which a process cannot be given")
 
 
+def invalid(field: str, message: str) -> ApiError:
+    """INVALID_ARGUMENT naming `field` (its camelCase path) at the start of the message."""
+    return ApiError(ErrorCode.INVALID_ARGUMENT, f"field {field!r}: {message}", field=field)
+
+
+def check_process(spec: ProcessSpec) -> None:
+    """Refuse a process no worker could run: the fields a task and a container share."""
+    try:
+        parse_reference(spec.image)
+    except ApiError as exc:
+        raise ApiError(exc.code, f"field 'image': {exc.message}", field="image") from None
+    try:
+        for name, value in spec.env.items():
+            check_env_name(name)
+            check_c_string(value, f"the value of {name}")
+    except ValueError as exc:
+        raise invalid("env", str(exc)) from None
+    for field, values in (("command", spec.command), ("args", spec.args)):
+        for i, value in enumerate(values or ()):
+            try:
+                check_c_string(value, f"item {i}")
+            except ValueError as exc:
+                raise invalid(field, str(exc)) from None
+    if spec.cards < 0:
+        raise invalid("cards", f"is {spec.cards}; give 0 or more cards")
+    for port in spec.ports:
+        if not 1 <= port <= 65535:
+            raise invalid("ports", f"port {port} is outside 1..65535")
+    if len(set(spec.ports)) != len(spec.ports):
+        raise invalid("ports", "lists a port more than once; give each port once")
+    if spec.snapshot is not None:
+        try:
+            parse_digest(spec.snapshot, field="snapshot")
+        except ApiError as exc:
+            raise invalid("snapshot", exc.message) from None
+
+
+def check_resources(
+    *,
+    cpu_millis: int | None,
+    memory_bytes: int | None,
+    pids: int | None = None,
+    prefix: str = "",
+) -> None:
+    """Refuse a limit below what a container can start with; None leaves it unlimited.
+    `prefix` is what the caller's shape puts before the field (`resources.`)."""
+    for name, value, minimum, unit in (
+        ("memoryBytes", memory_bytes, MIN_MEMORY_BYTES, " bytes (8 MiB)"),
+        ("cpuMillis", cpu_millis, MIN_CPU_MILLIS, " millicores (a hundredth of a core)"),
+        ("pids", pids, MIN_PIDS, ""),
+    ):
+        if value is not None and value < minimum:
+            raise invalid(
+                prefix + name, f"is {value}; give at least {minimum}{unit}, or leave it out"
+            )
+
+
+def check_mount_paths(paths: Sequence[str]) -> None:
+    """Refuse a volume's mount path that may not be a bucket's target, or that another
+    volume's takes in any spelling (compared canonically), naming `volumes[i].mountPath`."""
+    seen: set[str] = set()
+    for i, path in enumerate(paths):
+        field = f"volumes[{i}].mountPath"
+        try:
+            canonical = canonical_mount_path(path)
+        except ValueError as exc:
+            raise invalid(field, str(exc)) from None
+        if canonical in seen:
+            raise invalid(field, f"{path!r} is used by another volume; give each its own path")
+        seen.add(canonical)
+
+
+def check_container_spec(spec: ContainerSpec) -> None:
+    """Refuse a container spec no worker could run, naming the field. What only a node can
+    judge (its memory, its cards, its image policy) is the worker's own check after this."""
+    check_process(spec)
+    if spec.id is not None and not CONTAINER_ID.fullmatch(spec.id):
+        raise invalid(
+            "id",
+            f"{spec.id!r} is not a container id; give 1-63 lowercase letters, digits or '-', "
+            "starting with a letter or digit",
+        )
+    if spec.pull_policy not in PULL_POLICIES:
+        raise invalid(
+            "pullPolicy", f"is {spec.pull_policy!r}; give one of {', '.join(PULL_POLICIES)}"
+        )
+    res = spec.resources
+    check_resources(
+        cpu_millis=res.cpu_millis,
+        memory_bytes=res.memory_bytes,
+        pids=res.pids,
+        prefix="resources.",
+    )
+    if spec.workdir is not None:
+        if not spec.workdir.startswith("/"):
+            raise invalid("workdir", f"is {spec.workdir!r}; give an absolute path")
+        try:
+            check_c_string(spec.workdir, "workdir")
+        except ValueError as exc:
+            raise invalid("workdir", str(exc)) from None
+    check_mount_paths([volume.mount_path for volume in spec.volumes])
+    if not spec.stop_grace_s >= 0:
+        raise invalid("stopGraceS", f"is {spec.stop_grace_s}; give 0 or more seconds")
+
+
 __all__ = [
+    "CONTAINER_ID",
     "ENV_NAME",
     "MAX_PATH_BYTES",
+    "MIN_CPU_MILLIS",
+    "MIN_MEMORY_BYTES",
+    "MIN_PIDS",
     "SYSTEM_DIRECTORIES",
     "SYSTEM_TREES",
     "canonical_mount_path",
     "check_c_string",
+    "check_container_spec",
     "check_env_name",
+    "check_mount_paths",
+    "check_process",
+    "check_resources",
+    "invalid",
 ]

@@ -49,13 +49,12 @@ from prometheus_client.core import (
 from agent.daemon.config import MetricsConfig
 from agent.gpus.claim import CardState
 from agent.runtime.manager import ContainerManager
-from agent.runtime.records import ContainerState
 from agent.store.objects import ObjectStore, StoreStatistics
 from agent.volumes.supervisor import Volumes
 from nvml import Device, Nvml, NvmlError, Readings, XidEvent, XidListener, open_nvml
 from wire.metrics import serve_metrics
 from workerapi import __version__
-from workerapi.models import CardInfo
+from workerapi.models import CardInfo, ContainerState
 
 log = logging.getLogger("levers9.agent")
 

@@ -68,6 +68,7 @@ def build_service(
         resolve_name = functools.partial(resolve_container, manager)
     return Service(
         router,
+        program="worker",
         authenticate=bearer_auth(config.token),
         connect_policy=ConnectPolicy(
             loopback=config.loopback_connect, setting="LEVERS9_LOOPBACK_CONNECT=on"
@@ -141,7 +142,7 @@ async def _exit_when_idle(
     since: float | None = None
     while True:
         now = trio.current_time()
-        active = sum(1 for c in manager.all() if c.state not in ("exited", "failed"))
+        active = sum(1 for c in manager.all() if not c.state.finished)
         since = idle_for(active, since, now)
         if since is not None and now - since >= idle_s:
             fields = {"worker": config.worker_id, "node": config.node}

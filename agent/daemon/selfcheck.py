@@ -54,7 +54,6 @@ from agent.daemon.tunnel import upgrade_to_tunnel
 from agent.gpus.claim import CardState, Claim, GpuConfig, decide_claim, read_assignment
 from agent.gpus.edits import CONTROL_DEVICES, NodeFiles, discover_node_files
 from agent.runtime.config import ContainerConfig
-from agent.runtime.runc import checkpoint_support
 from agent.volumes.rclone import SEARCH_PATH, TESTED_VERSION, find_rclone, parse_rclone_version
 from nvml import NvmlUnavailableError, Snapshot, open_nvml
 from wire.client import ApiClient, open_api_client
@@ -301,8 +300,8 @@ def _command_version(argv: Sequence[str]) -> str | None:
 
 
 def containers_section(context: SelfCheckContext) -> list[Check]:
-    """Root, runc, the kernel's overlay filesystem and cgroups, nftables, the state directory,
-    and whether process checkpoints (criu) work here."""
+    """Root, runc, the kernel's overlay filesystem and cgroups, nftables and the state
+    directory."""
     checks: list[Check] = []
     if os.geteuid() == 0:
         checks.append(Check("containers", "root", Status.OK, "running as root"))
@@ -367,19 +366,6 @@ def containers_section(context: SelfCheckContext) -> list[Check]:
     else:
         checks.append(Check("containers", "nftables", Status.OK, nft))
     checks += _state_dir_checks(context.settings.containers)
-    supported, why = checkpoint_support()
-    if supported:
-        checks.append(Check("containers", "checkpoint", Status.OK, "criu check passes"))
-    else:
-        checks.append(
-            Check(
-                "containers",
-                "checkpoint",
-                Status.WARN,
-                f"process checkpoint is unavailable on this node: {why}",
-                "filesystem snapshots work; for process checkpoints use a kernel criu supports",
-            )
-        )
     return checks
 
 

@@ -1,9 +1,9 @@
-"""The containers' cgroups on this node: removing one from every mounted hierarchy, reading its
-limits back, and whether the kernel's OOM killer struck in it.
+"""The containers' cgroups on this node: removing one from every mounted hierarchy, and whether
+the kernel's OOM killer struck in it.
 
 Why a module of its own, beside the mount adapter: runc creates a container's cgroup but leaves
-it behind when a container is killed hard or the node's agent restarts, and the limits and OOM
-count are read from cgroupfs, not from runc. Both cgroup v1 (one hierarchy per controller) and v2
+it behind when a container is killed hard or the node's agent restarts, and the OOM count is read
+from cgroupfs, not from runc. Both cgroup v1 (one hierarchy per controller) and v2
 (one unified hierarchy) are read, found through /proc/self/mountinfo (`agent.host.mount`).
 """
 
@@ -18,11 +18,7 @@ import attrs
 from agent.host.mount import read_mountinfo
 from wire.errors import ApiError, ErrorCode
 
-__all__ = ["CgroupError", "oom_killed", "read_cgroup_limits", "remove_cgroup"]
-
-
-# memory.limit_in_bytes reads as PAGE_COUNTER_MAX * page size when unlimited.
-_UNLIMITED_BYTES = 1 << 62
+__all__ = ["CgroupError", "oom_killed", "remove_cgroup"]
 
 
 class CgroupError(ApiError):
@@ -106,50 +102,6 @@ def _v2_file(relative: str, name: str) -> str | None:
             if text is not None:
                 return text
     return None
-
-
-def _number(text: str | None) -> int | None:
-    if text is None:
-        return None
-    word = text.split()[0] if text.split() else ""
-    if word in ("", "max", "-1"):
-        return None
-    value = int(word)
-    return None if value >= _UNLIMITED_BYTES else value
-
-
-def read_cgroup_limits(cgroups_path: str) -> dict[str, int | None]:
-    """The limits the kernel applies to the container: `memory_bytes`, `memory_swap_bytes`
-    (memory + swap), `cpu_quota_us`, `cpu_period_us`, `pids_max`; None is unlimited (or not
-    readable, e.g. the cgroup is gone)."""
-    relative = _relative(cgroups_path)
-    cpu_v2 = _v2_file(relative, "cpu.max")
-    quota = period = None
-    if cpu_v2 is not None:
-        words = cpu_v2.split()
-        quota = _number(words[0]) if words else None
-        period = _number(words[1]) if len(words) > 1 else None
-    else:
-        quota = _number(_v1_file(relative, "cpu", "cpu.cfs_quota_us"))
-        period = _number(_v1_file(relative, "cpu", "cpu.cfs_period_us"))
-    memory_v2 = _v2_file(relative, "memory.max")
-    if memory_v2 is not None:
-        memory = _number(memory_v2)
-        swap = _number(_v2_file(relative, "memory.swap.max"))
-        memory_swap = None if memory is None or swap is None else memory + swap
-    else:
-        memory = _number(_v1_file(relative, "memory", "memory.limit_in_bytes"))
-        memory_swap = _number(_v1_file(relative, "memory", "memory.memsw.limit_in_bytes"))
-    pids = _v2_file(relative, "pids.max")
-    if pids is None:
-        pids = _v1_file(relative, "pids", "pids.max")
-    return {
-        "memory_bytes": memory,
-        "memory_swap_bytes": memory_swap,
-        "cpu_quota_us": quota,
-        "cpu_period_us": period,
-        "pids_max": _number(pids),
-    }
 
 
 def oom_killed(cgroups_path: str) -> bool:

@@ -59,14 +59,33 @@ class Watched:
 
 class LogWatch:
     """Wakes the followers of a container's log when it changes. Each follower holds
-    `watching`; while anyone does, one inotify instance is open and a task in `nursery` reads
-    its events. Both end with the last follower, so an idle worker holds neither."""
+    `watching`; while anyone does, one inotify instance is open and `run` reads its events.
+    The instance is closed with the last follower, so an idle worker holds none; `run` itself
+    lasts as long as its owner's nursery (it waits for the next follower in between)."""
 
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
+    def __init__(self) -> None:
         self._watched: dict[int, Watched] = {}
         self._inotify: Inotify | None = None
+        self._opened = trio.Event()
+        """Set when a follower opens an instance for `run` to read."""
+        self._running = False
         self._warned = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Read the open instance's events whenever anyone follows a log, until cancelled.
+        Followers who come before `started` or after the end read every `LOG_POLL_S`."""
+        self._running = True
+        try:
+            task_status.started()
+            while True:
+                await self._opened.wait()
+                self._opened = trio.Event()
+                if self._inotify is not None:
+                    await self._read(self._inotify)
+        finally:
+            self._running = False
+            if self._inotify is not None:
+                self._close(self._inotify)
 
     @contextlib.contextmanager
     def watching(self, directory: Path) -> Iterator[Watched]:
@@ -90,13 +109,16 @@ class LogWatch:
                         self._inotify.remove(wd)
 
     def _add(self, directory: Path) -> int:
+        if not self._running:
+            # Nobody would read the events (not started yet, or shutting down): poll.
+            return -1
         if self._inotify is None:
             try:
                 self._inotify = Inotify()
             except OSError as exc:
                 self._warn(f"inotify is not available ({exc.strerror or exc})")
                 return -1
-            self._nursery.start_soon(self._read, self._inotify)
+            self._opened.set()
         try:
             return self._inotify.add(directory, _LOG_CHANGES)
         except OSError as exc:
@@ -127,12 +149,15 @@ class LogWatch:
                     if change.name.startswith("log") or change.mask & IN_IGNORED:
                         found.wake()
         finally:
-            if self._inotify is inotify:
-                self._inotify = None
-            for each in self._watched.values():
-                each.wake()  # their watch went with the instance: they read every poll_s
-            self._watched.clear()
-            inotify.close()
+            self._close(inotify)
+
+    def _close(self, inotify: Inotify) -> None:
+        if self._inotify is inotify:
+            self._inotify = None
+        for each in self._watched.values():
+            each.wake()  # their watch went with the instance: they read every poll_s
+        self._watched.clear()
+        inotify.close()
 
 
 def parse_cri_line(line: str) -> LogLine | None:

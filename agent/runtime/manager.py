@@ -16,7 +16,7 @@ Shutdown always ends. SIGTERM cancels the daemon's main task (`proc.signals`), a
 exit of `open_container_manager` stops every container, then the bucket mounts, then the
 network rules, each part under a deadline counted from the start of the shutdown
 (`ShutdownBudget`, defaults in brackets), so the agent is done well inside the worker Job's
-60 s termination grace (`control.kube.planner.TERMINATION_GRACE_S`) whatever a container, runc
+60 s termination grace (`control.kube.manifests.TERMINATION_GRACE_S`) whatever a container, runc
 or rclone does:
 
 - [0-15 s] every container gets SIGTERM and its own stop grace, at most `stop_grace_max_s`;
@@ -70,8 +70,8 @@ from agent.host.cgroups import oom_killed, remove_cgroup
 from agent.runtime.config import ContainerConfig
 from agent.runtime.exec import ExecSession
 from agent.runtime.images.auth import RegistryCredentials
-from agent.runtime.images.puller import ImagePuller
-from agent.runtime.layers import LayerCache
+from agent.runtime.images.puller import ImagePuller, PulledImage
+from agent.runtime.layers import LayerCache, UnpackedLayer
 from agent.runtime.logreader import LogReader, LogWatch, parse_cri_line, read_lines
 from agent.runtime.network import NETNS_DIR, Networking, hosts_file, resolv_conf
 from agent.runtime.ocispec import (
@@ -86,7 +86,6 @@ from agent.runtime.records import (
     MAX_EVENTS,
     Container,
     ContainerRecord,
-    ContainerState,
     Gpus,
     ImageRecord,
     orphans,
@@ -108,6 +107,7 @@ from agent.volumes.supervisor import Volumes
 from wire.errors import ApiError, ErrorCode, dumps, loads
 from workerapi.models import (
     ContainerSpec,
+    ContainerState,
     ExecRequest,
     LogLine,
     SnapshotInfo,
@@ -192,7 +192,8 @@ class ContainerManager:
         self._shutdown_deadline = math.inf
         """Set when the shutdown starts: no cleanup runs past it."""
         self._cleanups: set[trio.CancelScope] = set()
-        self.log_watch = LogWatch(nursery)
+        self.log_watch = LogWatch()
+        """Run by `open_container_manager` beside the manager's other background tasks."""
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -405,6 +406,44 @@ class ContainerManager:
         lap: Callable[[str], None],
     ) -> RuntimeSpec:
         """Pull, unpack, mount the rootfs and write the bundle; returns the runtime spec."""
+        image, unpacked = await self._pull_and_unpack(container, credentials, lap)
+        spec = container.record.spec
+        directory = container.directory
+        rootfs = directory / "rootfs"
+
+        def make_rootfs() -> tuple[str, str]:
+            for name in ("upper", "work", "rootfs", "etc"):
+                (directory / name).mkdir(exist_ok=True)
+            mount_overlay(
+                [u.path for u in reversed(unpacked)],
+                directory / "upper",
+                directory / "work",
+                rootfs,
+                image=spec.image,
+            )
+            return _read_text(rootfs / "etc/passwd"), _read_text(rootfs / "etc/group")
+
+        passwd, group = await trio.to_thread.run_sync(make_rootfs)
+        runtime = self._runtime_spec(container, image, binds, passwd, group)
+
+        def write_files() -> None:
+            (directory / "etc/hostname").write_text(runtime.hostname + "\n")
+            (directory / "etc/resolv.conf").write_text(
+                resolv_conf(_read_text(Path("/etc/resolv.conf")))
+            )
+            write_bundle(directory / "bundle", runtime)
+
+        await trio.to_thread.run_sync(write_files)
+        return runtime
+
+    async def _pull_and_unpack(
+        self,
+        container: Container,
+        credentials: RegistryCredentials | None,
+        lap: Callable[[str], None],
+    ) -> tuple[PulledImage, list[UnpackedLayer]]:
+        """The image pulled and pinned, and its layers (then the snapshot's) unpacked, bottom
+        first; the container's record names them (in memory only, until it starts)."""
         spec = container.record.spec
         image = await self.puller.pull(
             spec.image,
@@ -440,22 +479,19 @@ class ContainerManager:
                 layers=tuple(layer_digests),
             ),
         )
+        return image, unpacked
+
+    def _runtime_spec(
+        self,
+        container: Container,
+        image: PulledImage,
+        binds: tuple[Bind, ...],
+        passwd: str,
+        group: str,
+    ) -> RuntimeSpec:
+        """What runc runs: the task's spec over the image's config, with its cards assigned."""
+        spec = container.record.spec
         directory = container.directory
-        rootfs = directory / "rootfs"
-
-        def make_rootfs() -> tuple[str, str]:
-            for name in ("upper", "work", "rootfs", "etc"):
-                (directory / name).mkdir(exist_ok=True)
-            mount_overlay(
-                [u.path for u in reversed(unpacked)],
-                directory / "upper",
-                directory / "work",
-                rootfs,
-                image=spec.image,
-            )
-            return _read_text(rootfs / "etc/passwd"), _read_text(rootfs / "etc/group")
-
-        passwd, group = await trio.to_thread.run_sync(make_rootfs)
         uid, gid, extra_gids = resolve_user(
             spec.user if spec.user is not None else image.config.user, passwd, group
         )
@@ -466,17 +502,16 @@ class ContainerManager:
             gpu_fragment, cards = self._assign_cards(container, env)
             env = list(gpu_fragment["process"]["env"])
             self._update(container, cards=cards)
-        hostname = container.id[:63]
-        runtime = RuntimeSpec(
+        return RuntimeSpec(
             container_id=container.id,
-            rootfs=str(rootfs),
+            rootfs=str(directory / "rootfs"),
             args=tuple(argv),
             env=tuple(env),
             cwd=spec.workdir or image.config.working_dir or "/",
             uid=uid,
             gid=gid,
             additional_gids=extra_gids,
-            hostname=hostname,
+            hostname=container.id[:63],
             # The namespace's path follows from the container's id; the network itself is
             # being made meanwhile and exists before runc runs.
             netns_path=str(NETNS_DIR / self.networking.netns_name(container.id)),
@@ -492,17 +527,7 @@ class ContainerManager:
             hostname_file=str(directory / "etc/hostname"),
         )
 
-        def write_files() -> None:
-            (directory / "etc/hostname").write_text(hostname + "\n")
-            (directory / "etc/resolv.conf").write_text(
-                resolv_conf(_read_text(Path("/etc/resolv.conf")))
-            )
-            write_bundle(directory / "bundle", runtime)
-
-        await trio.to_thread.run_sync(write_files)
-        return runtime
-
-    async def _snapshot_layer(self, container: Container, digest: str) -> Any:
+    async def _snapshot_layer(self, container: Container, digest: str) -> UnpackedLayer:
         if not self.store.contains(digest):
             raise ApiError(
                 ErrorCode.NOT_FOUND,
@@ -820,10 +845,6 @@ class ContainerManager:
         _write_json(self.snapshots_dir / f"{digest.removeprefix('sha256:')}.json", info)
         return info
 
-    async def checkpoint(self, container_id: str) -> None:
-        container = self.get(container_id)
-        await self.runc.checkpoint(container_id, container.directory / "checkpoint")
-
     # -- logs ------------------------------------------------------------------------------------
 
     async def log_lines(self, container_id: str, *, follow: bool) -> AsyncGenerator[LogLine, None]:
@@ -878,11 +899,9 @@ class ContainerManager:
     def _save(self, container: Container) -> None:
         _write_json(container.directory / "record.json", container.record)
 
-    async def recover(self) -> None:
-        """Adopt what the previous agent left: containers still running keep running (with
-        their logs and cards), those that ended are recorded as such, those that may not keep
-        their cards are stopped, and whatever no record owns is cleaned away."""
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _pin_snapshots(self) -> None:
+        """Keep the snapshots the previous agent took (their info files say which) from
+        eviction; an unreadable info file pins nothing."""
         for info in (
             sorted(self.snapshots_dir.glob("*.json")) if self.snapshots_dir.is_dir() else []
         ):
@@ -890,6 +909,13 @@ class ContainerManager:
                 snap = loads(info.read_bytes(), SnapshotInfo)
                 if self.store.contains(snap.digest):
                     self.store.pin(snap.digest, SNAPSHOT_OWNER)
+
+    async def recover(self) -> None:
+        """Adopt what the previous agent left: containers still running keep running (with
+        their logs and cards), those that ended are recorded as such, those that may not keep
+        their cards are stopped, and whatever no record owns is cleaned away."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._pin_snapshots()
         adopted: list[Container] = []
         for directory in sorted(self.root.iterdir()):
             record_file = directory / "record.json"
@@ -1288,6 +1314,7 @@ async def _open_manager(
                     shutdown_budget=budget,
                 )
                 managers.append(manager)
+                await nursery.start(manager.log_watch.run)
                 await manager.recover()
                 try:
                     yield manager

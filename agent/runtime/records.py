@@ -4,8 +4,6 @@ in-memory holder the manager mutates.
 
 from __future__ import annotations
 
-import enum
-import re
 from collections.abc import (
     Sequence,
 )
@@ -23,29 +21,12 @@ from agent.runtime.ocispec import RuntimeSpec
 from wire.errors import ApiError
 from workerapi.models import (
     ContainerSpec,
+    ContainerState,
     ContainerStatus,
     PullStatus,
 )
 
-CONTAINER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 MAX_EVENTS = 20
-
-
-class ContainerState(enum.StrEnum):
-    """Where a container is in its life. The values are what the worker API's
-    `ContainerStatus.state` and the on-disk record say."""
-
-    PULLING = "pulling"
-    CREATING = "creating"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    EXITED = "exited"
-    FAILED = "failed"
-
-    @property
-    def finished(self) -> bool:
-        """The container has ended and gives nothing back any more."""
-        return self in (ContainerState.EXITED, ContainerState.FAILED)
 
 
 @attrs.frozen
@@ -132,7 +113,7 @@ class Container:
         return ContainerStatus(
             id=r.id,
             image=r.spec.image,
-            state=r.state.value,
+            state=r.state,
             created_at=r.created_at,
             image_digest=r.image.manifest_digest if r.image else None,
             started_at=r.started_at,

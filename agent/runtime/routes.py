@@ -72,10 +72,6 @@ def add_container_routes(router: Router, manager: ContainerManager) -> None:
         info: SnapshotInfo = await manager.snapshot(request.params["id"])
         return JsonResponse(info, status=201)
 
-    async def checkpoint(request: Request) -> JsonResponse:
-        await manager.checkpoint(request.params["id"])
-        return JsonResponse({}, status=201)
-
     async def logs(request: Request) -> StreamResponse:
         container_id = request.params["id"]
         manager.get(container_id)
@@ -111,7 +107,6 @@ def add_container_routes(router: Router, manager: ContainerManager) -> None:
     router.add("GET", "/v1/containers/{id}/wait", wait)
     router.add("POST", "/v1/containers/{id}/stop", stop)
     router.add("POST", "/v1/containers/{id}/snapshot", snapshot)
-    router.add("POST", "/v1/containers/{id}/checkpoint", checkpoint)
     router.add("GET", "/v1/containers/{id}/logs", logs)
     router.add_websocket("/v1/containers/{id}/exec", exec_)
 

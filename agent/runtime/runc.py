@@ -2,8 +2,8 @@
 
 Why: every way runc can fail (a container that is gone, a command that is not in the image, a
 kernel feature that is missing) must reach the user as our own error with runc's own words in
-it. Only this module runs `runc` (and `criu check`); it reads runc's JSON log lines, picks the
-message of the last error and turns it into a `RuncError` whose code says what the caller can do.
+it. Only this module runs `runc`; it reads runc's JSON log lines, picks the message of the last
+error and turns it into a `RuncError` whose code says what the caller can do.
 
 Containers are started through `levers9-shim` (see `agent/shim/levers9-shim.c`), never as the
 agent's children: the shim holds the container's pipes, writes its log and records its exit
@@ -22,7 +22,6 @@ import builtins
 import contextlib
 import errno
 import fcntl
-import functools
 import json
 import os
 import shutil
@@ -47,7 +46,7 @@ _CLEANUP_DEADLINE_S = 10.0
 
 
 class RuncError(ApiError):
-    """runc (or the shim, or criu) refused or failed; the message quotes runc's own words."""
+    """runc (or the shim) refused or failed; the message quotes runc's own words."""
 
 
 class ShimLost(RuncError):
@@ -296,29 +295,6 @@ class Runc:
                 listener.close()
             shutil.rmtree(workdir, ignore_errors=True)
 
-    async def checkpoint(
-        self, container_id: str, image_dir: Path, *, leave_running: bool = False
-    ) -> None:
-        """Checkpoints the container's processes with CRIU into `image_dir`.
-
-        Where CRIU does not work on this kernel this raises FAILED_PRECONDITION saying why;
-        a filesystem snapshot is the alternative that works everywhere.
-        """
-        supported, why = await trio.to_thread.run_sync(checkpoint_support)
-        if not supported:
-            raise RuncError(
-                ErrorCode.FAILED_PRECONDITION,
-                f"process checkpoint is unavailable on this node: {why}; snapshot the "
-                "container's filesystem instead",
-            )
-        await trio.to_thread.run_sync(
-            functools.partial(image_dir.mkdir, parents=True, exist_ok=True)
-        )
-        args = ["--image-path", str(image_dir)]
-        if leave_running:
-            args.append("--leave-running")
-        await self._run("checkpoint", container_id, *args, container_id)
-
 
 async def _kill_at_once(process: trio.Process) -> None:
     """How a cancelled runc call ends: SIGKILL at once, not trio's SIGTERM and 5 s wait. runc's
@@ -334,32 +310,6 @@ def _state(entry: dict[str, Any]) -> RuncState:
         pid=int(entry.get("pid") or 0),
         bundle=str(entry.get("bundle", "")),
     )
-
-
-@functools.cache
-def checkpoint_support() -> tuple[bool, str]:
-    """Whether CRIU works on this node, and if not, why (criu's own message). Checked once."""
-    criu = shutil.which("criu")
-    if criu is None:
-        return False, "criu is not installed"
-    try:
-        result = subprocess.run(
-            [criu, "check"], capture_output=True, text=True, timeout=60, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"criu check could not run: {exc}"
-    if result.returncode == 0:
-        return True, "criu check passed"
-    lines = []
-    for raw in (result.stderr + result.stdout).splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        # "Error (criu/vdso.c:381): vdso: ..." -> "vdso: ..."
-        if line.startswith("Error (") and "): " in line:
-            line = line.split("): ", 1)[1]
-        lines.append(line)
-    return False, "criu check failed: " + ("; ".join(lines[-4:]) or f"exit {result.returncode}")
 
 
 # -- exec ------------------------------------------------------------------------------------------

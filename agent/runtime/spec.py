@@ -1,6 +1,7 @@
-"""Pure checks and derivations on a `ContainerSpec`: refused at the edge naming the field;
-the process's argv and user as the image and the spec combine them (the environment is merged
-by `agent.runtime.ocispec.merge_env`, with the rest of the process).
+"""Pure checks and derivations on a `ContainerSpec`: what only this node can judge, after the
+one validation both programs apply (`workerapi.validation.check_container_spec`); the
+process's argv and user as the image and the spec combine them (the environment is merged by
+`agent.runtime.ocispec.merge_env`, with the rest of the process).
 """
 
 from __future__ import annotations
@@ -8,59 +9,17 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from agent.runtime.records import CONTAINER_ID
 from agent.volumes.specs import validate_volume
 from wire.errors import ApiError, ErrorCode
-from workerapi.digests import parse_digest
-from workerapi.models import (
-    ContainerSpec,
-)
-from workerapi.validation import canonical_mount_path, check_c_string, check_env_name
-
-PULL_POLICIES = ("if-not-present", "always")
-# Below this runc cannot even start a container's init.
-MIN_MEMORY_BYTES = 8 << 20
+from workerapi.models import ContainerSpec
+from workerapi.validation import check_container_spec
 
 
 def validate_spec(spec: ContainerSpec, *, node_memory_bytes: int) -> None:
-    """Reject what can never run here, naming the field, before anything is pulled or made."""
-    if not spec.image.strip():
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, "image must not be empty", field="image")
-    if spec.id is not None and not CONTAINER_ID.match(spec.id):
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"container id {spec.id!r} must be 1-63 lowercase letters, digits or '-', "
-            "starting with a letter or digit",
-            field="id",
-        )
-    if spec.pull_policy not in PULL_POLICIES:
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"pullPolicy must be one of {', '.join(PULL_POLICIES)}, not {spec.pull_policy!r}",
-            field="pullPolicy",
-        )
-    if spec.cards < 0:
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, "cards must be 0 or more", field="cards")
-    res = spec.resources
-    cpu_millis = (os.cpu_count() or 1) * 1000
-    _check_resource("memoryBytes", res.memory_bytes, MIN_MEMORY_BYTES, node_memory_bytes, " bytes")
-    _check_resource("cpuMillis", res.cpu_millis, 10, cpu_millis, " millicores")
-    _check_resource("pids", res.pids, 1, None, "")
-    for port in spec.ports:
-        if not 0 < port < 65536:
-            raise ApiError(
-                ErrorCode.INVALID_ARGUMENT, f"port {port} is not a TCP port", field="ports"
-            )
-    _check_process_text(spec)
-    if spec.workdir is not None and not spec.workdir.startswith("/"):
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"workdir must be an absolute path, not {spec.workdir!r}",
-            field="workdir",
-        )
-    if spec.snapshot is not None:
-        parse_digest(spec.snapshot, field="snapshot")
-    seen: set[str] = set()
+    """Reject what can never run here, naming the field, before anything is pulled or made:
+    what no worker could run (the shared check), then each bucket's URL and credentials, then
+    limits beyond what this node has."""
+    check_container_spec(spec)
     for i, volume in enumerate(spec.volumes):
         try:
             validate_volume(volume)
@@ -68,56 +27,16 @@ def validate_spec(spec: ContainerSpec, *, node_memory_bytes: int) -> None:
             raise ApiError(
                 exc.code, f"volumes[{i}]: {exc.message}", field=f"volumes[{i}].{exc.field}"
             ) from None
-        path = canonical_mount_path(volume.mount_path)  # checked by validate_volume
-        if path in seen:
-            raise ApiError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"volumes[{i}].mountPath {volume.mount_path} is used by another volume",
-                field=f"volumes[{i}].mountPath",
-            )
-        seen.add(path)
-    if spec.stop_grace_s < 0:
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT, "stopGraceS must be 0 or more", field="stopGraceS"
-        )
+    res = spec.resources
+    cpu_millis = (os.cpu_count() or 1) * 1000
+    _check_fits("memoryBytes", res.memory_bytes, node_memory_bytes, " bytes")
+    _check_fits("cpuMillis", res.cpu_millis, cpu_millis, " millicores")
 
 
-def _check_process_text(spec: ContainerSpec) -> None:
-    """Environment names of POSIX's shape; no NUL where the kernel takes C strings."""
-    try:
-        for key, value in spec.env.items():
-            check_env_name(key)
-            check_c_string(value, f"the value of {key}")
-    except ValueError as exc:
-        raise ApiError(ErrorCode.INVALID_ARGUMENT, f"env: {exc}", field="env") from None
-    for field, values in (("command", spec.command), ("args", spec.args)):
-        for i, value in enumerate(values or ()):
-            try:
-                check_c_string(value, f"{field}[{i}]")
-            except ValueError as exc:
-                raise ApiError(ErrorCode.INVALID_ARGUMENT, str(exc), field=field) from None
-    if spec.workdir is not None:
-        try:
-            check_c_string(spec.workdir, "workdir")
-        except ValueError as exc:
-            raise ApiError(ErrorCode.INVALID_ARGUMENT, str(exc), field="workdir") from None
-
-
-def _check_resource(
-    name: str, value: int | None, minimum: int, node_has: int | None, unit: str
-) -> None:
-    """A limit below what can run is INVALID_ARGUMENT; above what the node has,
-    RESOURCE_EXHAUSTED. Both name the field."""
+def _check_fits(name: str, value: int | None, node_has: int, unit: str) -> None:
+    """A limit above what the node has is RESOURCE_EXHAUSTED naming the field."""
     field = f"resources.{name}"
-    if value is None:
-        return
-    if value < minimum:
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"{field} must be at least {minimum}{unit}, not {value}",
-            field=field,
-        )
-    if node_has is not None and value > node_has:
+    if value is not None and value > node_has:
         raise ApiError(
             ErrorCode.RESOURCE_EXHAUSTED,
             f"{field} asks for {value}{unit} but this node has {node_has}{unit}; ask for less "

@@ -20,8 +20,9 @@ machine that made ingest as fast as `cp` + fsync of the same file (bench/ingest.
 Eviction is least-recently-used by the time of last use, kept in each file's mtime (set with
 os.utime on use: relatime makes the kernel's atime useless) so the order survives restarts.
 Which objects go is decided by the pure `plan_eviction`; the thin layer here scans, plans and
-removes. Pins are in-memory counts per owner; a pinned object also holds a shared flock so
-that another worker's store on the same directory will not evict it either.
+removes. Pins are in memory, by owner (a container, a pull, the snapshots), and an owner drops
+all of its pins at once; a pinned object also holds a shared flock so that another worker's store
+on the same directory will not evict it either.
 """
 
 from __future__ import annotations
@@ -742,22 +743,10 @@ class ObjectStore:
         self._index[digest] = ObjectEntry(digest, size, now)
 
     def pin(self, digest: str, owner: str) -> None:
-        """Keep the object from eviction until `owner` unpins it (counted per owner)."""
+        """Keep the object from eviction until `unpin_owner(owner)`."""
         digest = parse_digest(digest)
         self._pins.setdefault(digest, collections.Counter())[owner] += 1
         self._hold_if_pinned(digest)
-
-    def unpin(self, digest: str, owner: str) -> None:
-        """Drop one of `owner`'s pins on the object; one it does not hold is ignored."""
-        owners = self._pins.get(digest)
-        if owners is None or owners[owner] <= 0:
-            return
-        owners[owner] -= 1
-        if owners[owner] <= 0:
-            del owners[owner]
-        if not owners:
-            del self._pins[digest]
-            self._release(digest)
 
     def unpin_owner(self, owner: str) -> None:
         """Drop every pin `owner` holds."""

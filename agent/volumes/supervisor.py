@@ -886,15 +886,7 @@ class Volumes:
         rclone's local cache (a few `stat`s of local files: no FUSE, no network)."""
         names = list(mount.pending_uploads)
         files = max(len(names), mount.uploads_counted)
-        pending_bytes: int | None = None
-        if names and mount.vfs_cache is not None:
-            pending_bytes = 0
-            for name in names:
-                try:
-                    pending_bytes += os.stat(mount.vfs_cache / name).st_size
-                except OSError:
-                    pending_bytes = None
-                    break
+        pending_bytes = _cached_bytes(mount.vfs_cache, names) if names else None
         if files == 0:
             message = (
                 f"uploads to {mount.url} could not be confirmed before the wait for them ended"
@@ -1139,3 +1131,16 @@ def _kill_rclone_under(root: Path, rclone: str, keep_pids: Collection[int]) -> i
             pass
     psutil.wait_procs(alive, timeout=5)
     return len(victims)
+
+
+def _cached_bytes(vfs_cache: Path | None, names: Sequence[str]) -> int | None:
+    """The size of `names` in rclone's local cache; None when any of them cannot be read."""
+    if vfs_cache is None:
+        return None
+    total = 0
+    for name in names:
+        try:
+            total += os.stat(vfs_cache / name).st_size
+        except OSError:
+            return None
+    return total

@@ -188,43 +188,76 @@ def undeclared_port(
     )
 
 
-def add_task_routes(
-    router: Router,
-    dispatcher: Dispatcher,
-    proxy: EndpointProxy,
-    *,
-    allow_local_registries: bool = False,
-) -> Dialer:
-    """Adds the task routes; returns the CONNECT dialer for box ports. `allow_local_registries`:
-    some pool pulls from registries on its nodes (images on loopback addresses pass here)."""
-    store = dispatcher.store
-    guard = TenantGuard()
+@attrs.define
+class _LogCursor:
+    """Where a log stream is: the lines sent, and what the worker's stream did last."""
 
-    def token_of(request: Request) -> str:
-        # A dashboard session (no bearer token) counts under its workspace.
-        return token_key(bearer_token(request.headers), request.principal)
+    sent: int = 0
+    whole: bool = False
+    """The worker's stream ran to the end of the container's log: nothing is missing."""
+    kept_by: float | None = None
+    """Until when the kept log is waited for, once the task ended."""
+    then: str = "streamed"
+    """After a pass over the worker's stream: `streamed` (it ended), `again` (ask again) or
+    `stop` (nothing more to send)."""
 
-    def limited(handler: Callable[[Request], Awaitable[R]]) -> Callable[[Request], Awaitable[R]]:
+
+class TaskRoutes:
+    """The task routes over `dispatcher` (its store, its workspaces, its workers); endpoint
+    requests go through `proxy`. `allow_local_registries`: some pool pulls from registries on
+    its nodes (images on loopback addresses pass here)."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        proxy: EndpointProxy,
+        *,
+        allow_local_registries: bool = False,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.store = dispatcher.store
+        self.proxy = proxy
+        self.allow_local_registries = allow_local_registries
+        self.guard = TenantGuard()
+
+    def add_to(self, router: Router) -> Dialer:
+        """Adds the task routes; returns the CONNECT dialer for box ports."""
+        limited = self._limited
+        router.add("POST", "/v1/tasks", limited(self.create))
+        router.add("GET", "/v1/tasks", limited(self.list_tasks))
+        router.add("GET", "/v1/tasks/{id}", limited(self.get))
+        router.add("GET", "/v1/tasks/{id}/wait", limited(self.wait))
+        router.add("POST", "/v1/tasks/{id}/cancel", limited(self.cancel))
+        router.add("POST", "/v1/tasks/{id}/snapshot", limited(self.snapshot))
+        router.add("GET", "/v1/tasks/{id}/logs", limited(self.logs))
+        router.add_websocket("/v1/tasks/{id}/exec", self.exec_)
+        for method in HTTP_METHODS:
+            router.add(method, "/v1/tasks/{id}/ports/{port}/{path...}", self.endpoint)
+        return self.dial
+
+    def _limited(
+        self, handler: Callable[[Request], Awaitable[R]]
+    ) -> Callable[[Request], Awaitable[R]]:
         """The handler, after the caller's token took a request from its bucket."""
 
         async def admitted(request: Request) -> R:
             workspace = workspace_of(request.principal)
-            limits = dispatcher.workspaces.limits(workspace)
-            guard.admit(token_of(request), limits, trio.current_time())
+            limits = self.dispatcher.workspaces.limits(workspace)
+            self.guard.admit(_token_of(request), limits, trio.current_time())
             return await handler(request)
 
         return admitted
 
-    async def create(request: Request) -> JsonResponse:
+    async def create(self, request: Request) -> JsonResponse:
         workspace = workspace_of(request.principal)
         asked = await request.json(TaskRequest)
-        volumes = dispatcher.workspaces.volumes(workspace, asked.volumes)
-        spec = spec_of(asked, volumes, allow_local_registries=allow_local_registries)
-        limits = dispatcher.workspaces.limits(workspace)
+        volumes = self.dispatcher.workspaces.volumes(workspace, asked.volumes)
+        spec = spec_of(asked, volumes, allow_local_registries=self.allow_local_registries)
+        limits = self.dispatcher.workspaces.limits(workspace)
         refused = spec_refusal(spec, limits)
         if refused is not None:
             raise refused
-        record = await store.create(
+        record = await self.store.create(
             workspace, spec, admit=lambda active: active_tasks_refusal(active, limits)
         )
         log.info(
@@ -239,137 +272,164 @@ def add_task_routes(
                 "cards": asked.cards,
             },
         )
-        dispatcher.wake()
-        return JsonResponse(dispatcher.view(record), status=201)
+        self.dispatcher.wake()
+        return JsonResponse(self.dispatcher.view(record), status=201)
 
-    async def list_tasks(request: Request) -> TaskList | StreamResponse:
+    async def list_tasks(self, request: Request) -> TaskList | StreamResponse:
         workspace = workspace_of(request.principal)
         states = query_states(request.query.get("state"))
         limit = query_limit(request.query.get("limit"))
         before = request.query.get("before") or None
 
         async def page() -> TaskList:
-            records = await store.list(workspace, states, limit + 1, before)
-            views = tuple(dispatcher.view(r) for r in records[:limit])
+            records = await self.store.list(workspace, states, limit + 1, before)
+            views = tuple(self.dispatcher.view(r) for r in records[:limit])
             return TaskList(views, next=views[-1].id if len(records) > limit else None)
 
         if _flag(request, "watch"):
-            slot = guard.watch(token_of(request), dispatcher.workspaces.limits(workspace))
+            limits = self.dispatcher.workspaces.limits(workspace)
+            slot = self.guard.watch(_token_of(request), limits)
             await page()  # a wrong cursor is refused before the stream starts
-            return watch_list(page, dispatcher.wait_changed, slot)
+            return watch_list(page, self.dispatcher.wait_changed, slot)
         return await page()
 
-    async def get(request: Request) -> TaskView | StreamResponse:
+    async def get(self, request: Request) -> TaskView | StreamResponse:
         workspace = workspace_of(request.principal)
         task_id = request.params["id"]
 
         async def one() -> TaskView:
-            return dispatcher.view(await store.get(workspace, task_id))
+            return self.dispatcher.view(await self.store.get(workspace, task_id))
 
         if _flag(request, "watch"):
-            slot = guard.watch(token_of(request), dispatcher.workspaces.limits(workspace))
+            limits = self.dispatcher.workspaces.limits(workspace)
+            slot = self.guard.watch(_token_of(request), limits)
             await one()  # NOT_FOUND before the stream starts
-            return watch_value(one, dispatcher.wait_changed, lambda view: view.state.terminal, slot)
+            return watch_value(
+                one, self.dispatcher.wait_changed, lambda view: view.state.terminal, slot
+            )
         return await one()
 
-    async def wait(request: Request) -> TaskView:
+    async def wait(self, request: Request) -> TaskView:
         workspace = workspace_of(request.principal)
-        return dispatcher.view(await dispatcher.wait_ended(workspace, request.params["id"]))
+        ended = await self.dispatcher.wait_ended(workspace, request.params["id"])
+        return self.dispatcher.view(ended)
 
-    async def cancel(request: Request) -> TaskView:
+    async def cancel(self, request: Request) -> TaskView:
         workspace = workspace_of(request.principal)
-        return dispatcher.view(await dispatcher.cancel(workspace, request.params["id"]))
+        return self.dispatcher.view(await self.dispatcher.cancel(workspace, request.params["id"]))
 
-    async def snapshot(request: Request) -> JsonResponse:
+    async def snapshot(self, request: Request) -> JsonResponse:
         workspace = workspace_of(request.principal)
-        taken: TaskSnapshot = await dispatcher.snapshot(workspace, request.params["id"])
+        taken: TaskSnapshot = await self.dispatcher.snapshot(workspace, request.params["id"])
         return JsonResponse(taken, status=201)
 
-    async def logs(request: Request) -> StreamResponse:
+    async def logs(self, request: Request) -> StreamResponse:
         workspace = workspace_of(request.principal)
         task_id = request.params["id"]
         follow = _flag(request, "follow")
-        await store.get(workspace, task_id)  # NOT_FOUND before the stream starts
+        await self.store.get(workspace, task_id)  # NOT_FOUND before the stream starts
+        return StreamResponse(
+            lambda: self._log_lines(workspace, task_id, follow),
+            content_type="application/x-ndjson",
+        )
 
-        async def lines() -> AsyncGenerator[bytes, None]:
-            sent = 0
-            whole = False
-            """The worker's stream ran to the end of the container's log: nothing is missing."""
-            kept_by: float | None = None
-            while True:
-                record = await store.get(workspace, task_id)
-                if record.state.terminal:
-                    kept = await store.logs(workspace, task_id)
-                    if kept_by is None:
-                        kept_by = trio.current_time() + CLEANUP_S
-                    if kept is None and (
-                        dispatcher.watching(task_id)
-                        or (not whole and _log_to_keep(record) and trio.current_time() < kept_by)
-                    ):
-                        # Its watcher, here or on another replica, is still keeping the log
-                        # (it is told when it is kept); a stream that broke before the end
-                        # takes the rest from it.
-                        with trio.move_on_after(SCHEDULE_EVERY_S):
-                            await dispatcher.wait_changed()
-                        continue
-                    rest = (kept or b"").splitlines(keepends=True)[sent:]
-                    if rest:
-                        yield b"".join(rest)
-                    return
-                if record.state is TaskState.PENDING or record.worker is None:
-                    if not follow:
-                        return
-                    with trio.move_on_after(SCHEDULE_EVERY_S):
-                        await dispatcher.wait_changed()
+    async def _log_lines(
+        self, workspace: str, task_id: str, follow: bool
+    ) -> AsyncGenerator[bytes, None]:
+        """The task's log from its worker while it runs, then from the kept log, without
+        repeating a line; followed through pending and to the end with `follow`."""
+        cursor = _LogCursor()
+        while True:
+            record = await self.store.get(workspace, task_id)
+            if record.state.terminal:
+                rest = await self._kept_rest(record, cursor)
+                if rest is None:
                     continue
-                try:
-                    with trio.fail_after(dispatcher.lost_after_s):
-                        client = await dispatcher.registry.client_for(record.worker)
-                    seen = 0
-                    async with contextlib.aclosing(
-                        client.container_logs(task_id, follow=follow)
-                    ) as source:
-                        async for line in source:
-                            seen += 1
-                            if seen <= sent:
-                                continue
-                            sent += 1
-                            yield dumps(line) + b"\n"
-                except ApiError as exc:
-                    if exc.code is ErrorCode.NOT_FOUND:
-                        # Not created yet, or already deleted once the task ended.
-                        if not follow and record.state is TaskState.STARTING:
-                            return
-                        # Asked again once the task moves (it is recorded running as soon
-                        # as its container runs), and at least this often.
-                        with trio.move_on_after(NOT_STARTED_RETRY_S):
-                            await dispatcher.wait_changed()
-                        continue
-                    if exc.code is not ErrorCode.UNAVAILABLE:
-                        raise
-                    await trio.sleep(NOT_STARTED_RETRY_S * 10)
-                    continue
-                except trio.TooSlowError:
-                    raise ApiError(
-                        ErrorCode.UNAVAILABLE,
-                        f"the worker of task {task_id} is unreachable; try again later",
-                    ) from None
+                if rest:
+                    yield rest
+                return
+            if record.state is TaskState.PENDING or record.worker is None:
                 if not follow:
                     return
-                whole = True
-                # The container ended; the kept log holds anything written after our stream.
-                await dispatcher.wait_ended(workspace, task_id)
+                with trio.move_on_after(SCHEDULE_EVERY_S):
+                    await self.dispatcher.wait_changed()
+                continue
+            lines = self._worker_lines(record, record.worker, cursor, follow)
+            async with contextlib.aclosing(lines):
+                async for line in lines:
+                    yield line
+            if cursor.then == "again":
+                continue
+            if cursor.then == "stop" or not follow:
+                return
+            cursor.whole = True
+            # The container ended; the kept log holds anything written after our stream.
+            await self.dispatcher.wait_ended(workspace, task_id)
 
-        return StreamResponse(lines, content_type="application/x-ndjson")
+    async def _kept_rest(self, record: TaskRecord, cursor: _LogCursor) -> bytes | None:
+        """The ended task's kept log past what was sent; None after waiting a moment for a
+        log still being kept."""
+        kept = await self.store.logs(record.workspace, record.id)
+        if cursor.kept_by is None:
+            cursor.kept_by = trio.current_time() + CLEANUP_S
+        if kept is None and (
+            self.dispatcher.watching(record.id)
+            or (not cursor.whole and _log_to_keep(record) and trio.current_time() < cursor.kept_by)
+        ):
+            # Its watcher, here or on another replica, is still keeping the log (it is told
+            # when it is kept); a stream that broke before the end takes the rest from it.
+            with trio.move_on_after(SCHEDULE_EVERY_S):
+                await self.dispatcher.wait_changed()
+            return None
+        return b"".join((kept or b"").splitlines(keepends=True)[cursor.sent :])
 
-    async def exec_(request: Request, ws: H2WebSocket) -> None:
+    async def _worker_lines(
+        self, record: TaskRecord, worker: str, cursor: _LogCursor, follow: bool
+    ) -> AsyncGenerator[bytes, None]:
+        """One pass over the worker's log stream, skipping the lines already sent; sets
+        `cursor.then`."""
+        cursor.then = "again"
+        try:
+            with trio.fail_after(self.dispatcher.lost_after_s):
+                client = await self.dispatcher.registry.client_for(worker)
+            seen = 0
+            async with contextlib.aclosing(
+                client.container_logs(record.id, follow=follow)
+            ) as source:
+                async for line in source:
+                    seen += 1
+                    if seen <= cursor.sent:
+                        continue
+                    cursor.sent += 1
+                    yield dumps(line) + b"\n"
+        except ApiError as exc:
+            if exc.code is ErrorCode.NOT_FOUND:
+                # Not created yet, or already deleted once the task ended.
+                if not follow and record.state is TaskState.STARTING:
+                    cursor.then = "stop"
+                    return
+                # Asked again once the task moves (it is recorded running as soon as its
+                # container runs), and at least this often.
+                with trio.move_on_after(NOT_STARTED_RETRY_S):
+                    await self.dispatcher.wait_changed()
+                return
+            if exc.code is not ErrorCode.UNAVAILABLE:
+                raise
+            await trio.sleep(NOT_STARTED_RETRY_S * 10)
+            return
+        except trio.TooSlowError:
+            raise ApiError(
+                ErrorCode.UNAVAILABLE,
+                f"the worker of task {record.id} is unreachable; try again later",
+            ) from None
+        cursor.then = "streamed"
+
+    async def exec_(self, request: Request, ws: H2WebSocket) -> None:
         try:
             workspace = workspace_of(request.principal)
-            record = await store.get(workspace, request.params["id"])
+            record = await self.store.get(workspace, request.params["id"])
             worker = _running(record, "exec")
-            upstream = await dispatcher.on_worker(
-                worker, lambda c: c.open_websocket(f"/v1/containers/{record.id}/exec")
-            )
+            upstream = await self.dispatcher.on_worker(worker, lambda c: c.open_exec(record.id))
         except (ApiError, WorkerLost) as exc:
             error = exc if isinstance(exc, ApiError) else ApiError(ErrorCode.UNAVAILABLE, str(exc))
             with contextlib.suppress(WebSocketClosed):
@@ -381,9 +441,9 @@ def add_task_routes(
         finally:
             await upstream.aclose()
 
-    async def endpoint(request: Request) -> StreamResponse | BytesResponse:
+    async def endpoint(self, request: Request) -> StreamResponse | BytesResponse:
         workspace = workspace_of(request.principal)
-        record = await dispatcher.running_record(workspace, request.params["id"])
+        record = await self.dispatcher.running_record(workspace, request.params["id"])
         port_text = request.params["port"]
         port = int(port_text) if port_text.isdigit() else 0
         refused = undeclared_port(record.id, record.spec.ports, port, port_text)
@@ -395,41 +455,35 @@ def add_task_routes(
 
         async def open_stream(first: bytes) -> trio.abc.HalfCloseableStream:
             try:
-                return await dispatcher.on_worker(
+                return await self.dispatcher.on_worker(
                     worker, lambda c: c.connect_tcp(record.id, port, first=first)
                 )
             except WorkerLost as exc:
                 raise ApiError(ErrorCode.UNAVAILABLE, str(exc)) from None
 
-        return await proxy.forward(
+        return await self.proxy.forward(
             request, key=(worker, record.id, port), target=target, open_stream=open_stream
         )
 
-    async def dial(host: str, port: int, principal: str) -> trio.abc.HalfCloseableStream:
+    async def dial(self, host: str, port: int, principal: str) -> trio.abc.HalfCloseableStream:
+        """A box port: a CONNECT to `host` (the task id) and `port`, one the task declared."""
         workspace = workspace_of(principal)
-        record = await dispatcher.running_record(workspace, host)
+        record = await self.dispatcher.running_record(workspace, host)
         refused = undeclared_port(record.id, record.spec.ports, port)
         if refused is not None:
             raise ApiError(ErrorCode.PERMISSION_DENIED, refused, field=":authority")
         worker = _running(record, "a port")
         try:
-            return await dispatcher.on_worker(
+            return await self.dispatcher.on_worker(
                 worker, lambda c: c.connect_tcp_early(record.id, port)
             )
         except WorkerLost as exc:
             raise ApiError(ErrorCode.UNAVAILABLE, str(exc)) from None
 
-    router.add("POST", "/v1/tasks", limited(create))
-    router.add("GET", "/v1/tasks", limited(list_tasks))
-    router.add("GET", "/v1/tasks/{id}", limited(get))
-    router.add("GET", "/v1/tasks/{id}/wait", limited(wait))
-    router.add("POST", "/v1/tasks/{id}/cancel", limited(cancel))
-    router.add("POST", "/v1/tasks/{id}/snapshot", limited(snapshot))
-    router.add("GET", "/v1/tasks/{id}/logs", limited(logs))
-    router.add_websocket("/v1/tasks/{id}/exec", exec_)
-    for method in HTTP_METHODS:
-        router.add(method, "/v1/tasks/{id}/ports/{port}/{path...}", endpoint)
-    return dial
+
+def _token_of(request: Request) -> str:
+    # A dashboard session (no bearer token) counts under its workspace.
+    return token_key(bearer_token(request.headers), request.principal)
 
 
 async def relay(a: H2WebSocket, b: H2WebSocket) -> None:

@@ -23,8 +23,8 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from control.cli.usage import (
     CALL_TIMEOUT_S,
@@ -46,7 +46,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see '{self.prog} --help'")
 
 
+if TYPE_CHECKING:
+    # What `add_subparsers` returns; each group of commands adds its own to it.
+    _Subcommands = argparse._SubParsersAction[_Parser]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: the connection options, then one group of commands each."""
     parser = _Parser(prog="levers9", description="levers9 command line")
     parser.add_argument("--version", action="version", version=__version__)
     # The environment and the contexts file fill in what these leave out, at the command
@@ -67,7 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a context of 'levers9 login' instead of the current one",
     )
     sub = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+    _add_login(sub)
+    _add_context(sub)
+    _add_run(sub)
+    _add_task(sub)
+    _add_exec(sub)
+    _add_port(sub)
+    _add_worker(sub)
+    _add_machine(sub)
+    _add_cluster(sub)
+    return parser
 
+
+def _add_login(sub: _Subcommands) -> None:
+    """`levers9 login URL`."""
     login = sub.add_parser(
         "login",
         help="check a token with a controlplane and keep it in a context",
@@ -91,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     login.set_defaults(func="login:cmd_login")
 
+
+def _add_context(sub: _Subcommands) -> None:
+    """`levers9 context list|show|use|delete`."""
     context = sub.add_parser("context", help="the contexts 'levers9 login' stored")
     xsub = context.add_subparsers(dest="action", required=True, metavar="ACTION")
     xls = xsub.add_parser("list", help="list contexts; * marks the current one")
@@ -109,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     xdel.add_argument("name", metavar="NAME")
     xdel.set_defaults(func="login:context_delete")
 
+
+def _add_run(sub: _Subcommands) -> None:
+    """`levers9 run IMAGE [-- CMD...]`."""
     run = sub.add_parser(
         "run",
         help="run a task: an image, with cards, and follow its output",
@@ -150,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func="tasks:cmd_run", takes_command=True)
 
+
+def _add_task(sub: _Subcommands) -> None:
+    """`levers9 task list|get|logs|cancel|snapshot`."""
     task = sub.add_parser("task", help="tasks of your workspace")
     tsub = task.add_subparsers(dest="action", required=True, metavar="ACTION")
     tls = tsub.add_parser("list", help="list tasks, newest first")
@@ -173,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     tsnap.add_argument("task_id", metavar="ID")
     tsnap.set_defaults(func="tasks:task_snapshot")
 
+
+def _add_exec(sub: _Subcommands) -> None:
+    """`levers9 exec TASK -- CMD...`."""
     exec_ = sub.add_parser(
         "exec",
         help="run a command in a running task",
@@ -188,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exec_.set_defaults(func="exec:cmd_exec", takes_command=True)
 
+
+def _add_port(sub: _Subcommands) -> None:
+    """`levers9 port TASK PORT`."""
     port = sub.add_parser("port", help="forward a local port to a port of a running task")
     port.add_argument("task_id", metavar="TASK")
     port.add_argument("port", metavar="PORT")
@@ -198,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     port.set_defaults(func="port:cmd_port")
 
+
+def _add_worker(sub: _Subcommands) -> None:
+    """`levers9 worker list|get`."""
     worker = sub.add_parser("worker", help="workers known to the controlplane")
     wsub = worker.add_subparsers(dest="action", required=True, metavar="ACTION")
     ls = wsub.add_parser("list", help="list workers")
@@ -207,14 +244,44 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("worker_id")
     get.add_argument("--json", action="store_true")
     get.set_defaults(func="workers:worker_get")
+
+
+def _add_machine(sub: _Subcommands) -> None:
+    """`levers9 machine list`."""
     machine = sub.add_parser("machine", help="machines: the pools' nodes that can take work")
     msub = machine.add_subparsers(dest="action", required=True, metavar="ACTION")
     mls = msub.add_parser("list", help="list machines with their free cards, CPU and memory")
     mls.add_argument("--json", action="store_true")
     mls.set_defaults(func="workers:machine_list")
 
+
+def _add_cluster(sub: _Subcommands) -> None:
+    """`levers9 cluster join|list|leave`: pools joined from a kubeconfig, with an operator token."""
     cluster = sub.add_parser("cluster", help="clusters whose nodes are pools (operator token)")
     csub = cluster.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _add_cluster_join(csub)
+    clist = csub.add_parser("list", help="list pools: configured and joined")
+    clist.add_argument("--json", action="store_true")
+    clist.set_defaults(func="cluster:cluster_list")
+    leave = csub.add_parser(
+        "leave",
+        help="remove a joined pool: its workers, then its access to the cluster",
+    )
+    leave.add_argument("name", metavar="POOL")
+    leave.add_argument("--context", help="kubeconfig context (default: the current one)")
+    leave.add_argument("--kubeconfig", help="kubeconfig file")
+    leave.add_argument(
+        "--delete-namespace", action="store_true", help="also delete the pool's namespace"
+    )
+    leave.add_argument(
+        "--keep-access",
+        action="store_true",
+        help="leave the ServiceAccount and its roles on the cluster",
+    )
+    leave.set_defaults(func="cluster:cluster_leave")
+
+
+def _add_cluster_join(csub: _Subcommands) -> None:
     join = csub.add_parser(
         "join",
         help="attach the cluster of your kubeconfig context as a pool, with no key file",
@@ -251,26 +318,6 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--driver-path", help="the NVIDIA driver dir on the nodes")
     join.add_argument("--json", action="store_true")
     join.set_defaults(func="cluster:cluster_join")
-    clist = csub.add_parser("list", help="list pools: configured and joined")
-    clist.add_argument("--json", action="store_true")
-    clist.set_defaults(func="cluster:cluster_list")
-    leave = csub.add_parser(
-        "leave",
-        help="remove a joined pool: its workers, then its access to the cluster",
-    )
-    leave.add_argument("name", metavar="POOL")
-    leave.add_argument("--context", help="kubeconfig context (default: the current one)")
-    leave.add_argument("--kubeconfig", help="kubeconfig file")
-    leave.add_argument(
-        "--delete-namespace", action="store_true", help="also delete the pool's namespace"
-    )
-    leave.add_argument(
-        "--keep-access",
-        action="store_true",
-        help="leave the ServiceAccount and its roles on the cluster",
-    )
-    leave.set_defaults(func="cluster:cluster_leave")
-    return parser
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -290,14 +337,6 @@ def _command(name: str) -> Any:
     return getattr(importlib.import_module(f"control.cli.{module}"), function)
 
 
-def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -312,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from control.cli.client import ControlClientError
     from control.cli.common import token_flag_warning
     from wire.errors import ApiError
+    from wire.errors import exception_leaves as _leaves
 
     func = _command(args.func)
     warning = token_flag_warning(args, sys.stdin, sys.stderr)

@@ -115,13 +115,20 @@ async def follow_run(client: ControlClient, view: TaskView, wait_s: float, conso
         console.status(deadline_message(latest, wait_s) + "\n")
         return EXIT_DEADLINE
     console.status(progress.finish())
+    return await _run_outcome(client, latest, log_error, console)
+
+
+async def _run_outcome(
+    client: ControlClient, latest: TaskView, log_error: ApiError | None, console: Console
+) -> int:
+    """Once the logs ended: wait for the task to end, say why, and return its exit code."""
     final = latest
     while not final.terminal:
-        final = await client.wait_task(task_id)
+        final = await client.wait_task(latest.id)
         if not final.terminal:
             await trio.sleep(POLL_INTERVAL_S)
     if log_error is not None:
-        console.status(f"levers9: could not follow the logs of task {task_id}: {log_error}\n")
+        console.status(f"levers9: could not follow the logs of task {latest.id}: {log_error}\n")
     code, message = task_outcome(final)
     if message:
         console.status(f"levers9: {message}\n")

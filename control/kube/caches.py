@@ -42,23 +42,12 @@ from control.kube.adapter import (
     secret_value,
 )
 from control.kube.informer import BOOKMARK_PERIOD_S, RETRY, CacheEvent, Change, Informer
-from control.kube.planner import (
-    MANAGED_BY_LABEL,
-    MANAGER,
-    NAME_LABEL,
-    TOKEN_KEY,
-    WORKER_NAME,
-    JobFacts,
-    NodeFacts,
-    PodFacts,
-    job_facts,
-    node_facts,
-    pod_facts,
-)
+from control.kube.manifests import MANAGED_BY_LABEL, MANAGER, NAME_LABEL, TOKEN_KEY, WORKER_NAME
+from control.kube.planner import JobFacts, NodeFacts, PodFacts, job_facts, node_facts, pod_facts
 from control.kube.pools import PoolConfig
 from wire.backoff import BackoffState, next_delay, record_failure
 
-__all__ = ["ClusterCaches", "Clusters", "PoolCaches", "PoolCluster", "cluster_key"]
+__all__ = ["ClusterCaches", "Clusters", "PoolCaches", "PoolCluster", "cluster_key", "open_clusters"]
 
 log = logging.getLogger("levers9.cache")
 
@@ -124,11 +113,6 @@ class ClusterCaches:
         self._fill_wanted = trio.Event()
         self._pods: Informer[PodFacts] | None = None
         self._filler: trio.CancelScope | None = None
-
-    @property
-    def bound_nodes(self) -> frozenset[str]:
-        """The nodes whose pods the pod cache keeps."""
-        return frozenset(self._node_refs)
 
     async def _start(self, key: tuple[str, str], informer: Informer[Any]) -> _Running:
         running = self._running.get(key)
@@ -354,9 +338,21 @@ class _Cluster:
     done: trio.Event
 
 
+@asynccontextmanager
+async def open_clusters(
+    *, bookmark_period_s: float = BOOKMARK_PERIOD_S, on_cache_event: CacheEvent | None = None
+) -> AsyncIterator[Clusters]:
+    """`Clusters` whose clusters' clients and informers run in a nursery of its own, open
+    while the block runs (every pool using one has left it by then)."""
+    async with trio.open_nursery() as nursery:
+        yield Clusters(nursery, bookmark_period_s=bookmark_period_s, on_cache_event=on_cache_event)
+        nursery.cancel_scope.cancel()
+
+
 class Clusters:
     """Every cluster the controlplane's pools reach, each with one client and its caches
-    (`ClusterCaches`: `bookmark_period_s` and `on_cache_event` are passed on)."""
+    (`ClusterCaches`: `bookmark_period_s` and `on_cache_event` are passed on). Opened by
+    `open_clusters`, which runs the clusters' tasks."""
 
     def __init__(
         self,

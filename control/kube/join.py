@@ -48,7 +48,7 @@ from control.kube.adapter import (
     kubeconfig_contexts,
     open_kubeconfig_client,
 )
-from control.kube.planner import POOL_LABEL
+from control.kube.manifests import POOL_LABEL
 from control.kube.podsecurity import (
     AUTOPILOT_ADVICE,
     PRIVILEGED_LABELS,

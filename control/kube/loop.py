@@ -49,8 +49,16 @@ from control.kube.expectations import (
     Expecting,
 )
 from control.kube.informer import Change
-from control.kube.planner import (
+from control.kube.manifests import (
     POOL_LABEL,
+    PoolSettings,
+    job_manifest,
+    token_secret,
+    token_secret_name,
+    with_job_uid,
+    worker_labels,
+)
+from control.kube.planner import (
     Action,
     CreateJob,
     CreateSecret,
@@ -61,18 +69,12 @@ from control.kube.planner import (
     NotAMachine,
     Plan,
     PodFacts,
-    PoolSettings,
-    Selector,
     WorkerRecord,
-    job_manifest,
     plan_pool,
-    token_secret,
-    token_secret_name,
-    with_job_uid,
-    worker_labels,
 )
 from control.kube.podsecurity import EVENTS_SELECTOR, refused_nodes
 from control.kube.pools import PoolConfig
+from control.kube.selectors import Selector
 from control.models import WorkerState
 from control.workers.registry import WorkerRegistry
 from wire.backoff import Backoff, BackoffState, next_delay, record_failure

@@ -12,149 +12,48 @@ matter.
 Free resources are counted as the scheduler counts them: allocatable minus every non-terminal
 pod bound to the node, Pending included (GPUs from limits, CPU and memory from requests, see
 `pod_request`). The planner indexes pods by node once, so one pass is linear in pods + nodes.
+
+Beside it: `control.kube.quantities` reads Kubernetes quantities, `control.kube.selectors`
+matches selectors and tolerations, and `control.kube.manifests` writes the worker's Job and
+Secret and owns the labels by which the facts tell our objects apart.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
-import hashlib
-import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from fractions import Fraction
 from typing import Any
 
 import attrs
 
+from control.kube.manifests import (
+    DEFAULT_TOLERATIONS,
+    GENERATION_LABEL,
+    GPU_RESOURCE,
+    MANAGED_BY_LABEL,
+    MANAGER,
+    NAME_LABEL,
+    NODE_ANNOTATION,
+    NODE_LABEL,
+    POOL_LABEL,
+    WORKER_NAME,
+    PoolSettings,
+    job_name,
+    token_secret_name,
+)
+from control.kube.quantities import cpu_millis, memory_bytes
+from control.kube.selectors import selector_matches, tolerated
 from control.models import WorkerState
-from wire.errors import ApiError, ErrorCode
 
-GPU_RESOURCE = "nvidia.com/gpu"
-NAME_LABEL = "app.kubernetes.io/name"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-POOL_LABEL = "levers9.dev/pool"
-NODE_LABEL = "levers9.dev/node"
-GENERATION_LABEL = "levers9.dev/generation"
-# The full node name: a label value is at most 63 characters, a node name up to 253.
-NODE_ANNOTATION = "levers9.dev/node"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 """Set by the Job controller on its pods (with the older `job-name`)."""
-WORKER_NAME = "levers9-worker"
-MANAGER = "levers9"
-TOKEN_KEY = "token"
-TERMINATION_GRACE_S = 60
-POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
 GPU_MODEL_LABELS = (
     "cloud.google.com/gke-accelerator",
     "nvidia.com/gpu.product",
     "karpenter.k8s.aws/instance-gpu-name",
 )
-DEFAULT_TOLERATIONS: tuple[Mapping[str, Any], ...] = ({"key": GPU_RESOURCE, "operator": "Exists"},)
 EXPIRE_AFTER_S = 600.0
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
-MAX_NAME_CHARS = 63
-
-
-class QuantityError(ApiError):
-    """A Kubernetes resource quantity that does not parse."""
-
-    def __init__(self, text: object, field: str | None = None) -> None:
-        super().__init__(
-            ErrorCode.INVALID_ARGUMENT,
-            f"{text!r} is not a Kubernetes quantity; write a number with an optional suffix "
-            "(m, k, M, G, T, P, E, Ki, Mi, Gi, Ti, Pi, Ei or an exponent such as e3)",
-            field=field,
-        )
-
-
-# --- quantities -----------------------------------------------------------------------------
-
-_QUANTITY = re.compile(r"([+-]?)(\d+\.?\d*|\.\d+)(.*)")
-_SUFFIXES: Mapping[str, Fraction] = {
-    "": Fraction(1),
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 1000),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-    "Ki": Fraction(2**10),
-    "Mi": Fraction(2**20),
-    "Gi": Fraction(2**30),
-    "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50),
-    "Ei": Fraction(2**60),
-}
-_EXPONENT = re.compile(r"[eE]([+-]?\d+)")
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_text(text: str) -> Fraction:
-    match = _QUANTITY.fullmatch(text)
-    if match is None:
-        raise QuantityError(text)
-    sign, number, suffix = match.groups()
-    # A bare "E" is exa; "e3"/"E3" is an exponent (Kubernetes checks the exact suffixes first).
-    multiplier = _SUFFIXES.get(suffix)
-    if multiplier is None:
-        exponent = _EXPONENT.fullmatch(suffix)
-        if exponent is None:
-            raise QuantityError(text)
-        multiplier = Fraction(10) ** int(exponent.group(1))
-    value = Fraction(number) * multiplier
-    return -value if sign == "-" else value
-
-
-def parse_quantity(value: str | int | float, *, field: str | None = None) -> Fraction:
-    """A Kubernetes quantity ("500m", "1.5", "1Gi", "100M", "1e3") as an exact number."""
-    if isinstance(value, bool):
-        raise QuantityError(value, field)
-    if isinstance(value, int):
-        return Fraction(value)
-    if isinstance(value, float):
-        return Fraction(value)
-    try:
-        return _parse_text(value.strip())
-    except QuantityError:
-        raise QuantityError(value, field) from None
-
-
-def _ceil(value: Fraction) -> int:
-    return -((-value.numerator) // value.denominator)
-
-
-def cpu_millis(value: str | int | float, *, field: str | None = None) -> int:
-    """CPU in millicores, rounded up as Kubernetes' MilliValue does ("1.5" -> 1500)."""
-    if isinstance(value, str):
-        try:
-            return _cpu_text(value)
-        except QuantityError:
-            raise QuantityError(value, field) from None
-    return _ceil(parse_quantity(value, field=field) * 1000)
-
-
-def memory_bytes(value: str | int | float, *, field: str | None = None) -> int:
-    """Memory (or any count) in whole units, rounded up as Kubernetes' Value does."""
-    if isinstance(value, str):
-        try:
-            return _count_text(value)
-        except QuantityError:
-            raise QuantityError(value, field) from None
-    return _ceil(parse_quantity(value, field=field))
-
-
-# A cluster repeats a handful of quantity strings across thousands of pods; parse each once.
-@functools.lru_cache(maxsize=4096)
-def _cpu_text(text: str) -> int:
-    return _ceil(_parse_text(text.strip()) * 1000)
-
-
-@functools.lru_cache(maxsize=4096)
-def _count_text(text: str) -> int:
-    return _ceil(_parse_text(text.strip()))
 
 
 # --- pod requests ---------------------------------------------------------------------------
@@ -196,10 +95,6 @@ def _triple(requests: Mapping[str, Any], gpus_from: Mapping[str, Any]) -> _Tripl
         cpu_millis(cpu) if cpu is not None else 0,
         memory_bytes(memory) if memory is not None else 0,
     )
-
-
-def _list_resources(requests: Mapping[str, Any], gpus_from: Mapping[str, Any]) -> Resources:
-    return Resources(*_triple(requests, gpus_from))
 
 
 def _container_request(container: Mapping[str, Any]) -> _Triple:
@@ -252,107 +147,7 @@ def _pod_triple(pod: Mapping[str, Any]) -> _Triple:
     return gpus, cpu, memory
 
 
-# --- selectors and tolerations ---------------------------------------------------------------
-
-
-@attrs.frozen
-class Selector:
-    """A label selector: matchLabels and matchExpressions (dicts, as the API has them)."""
-
-    labels: Mapping[str, str] = attrs.field(factory=dict)
-    expressions: tuple[Mapping[str, Any], ...] = ()
-
-
-def _expression_matches(labels: Mapping[str, str], expression: Mapping[str, Any]) -> bool:
-    key = expression.get("key", "")
-    operator = expression.get("operator")
-    values = expression.get("values") or ()
-    if operator == "In":
-        return key in labels and labels[key] in values
-    if operator == "NotIn":
-        return key not in labels or labels[key] not in values
-    if operator == "Exists":
-        return key in labels
-    if operator == "DoesNotExist":
-        return key not in labels
-    raise ApiError(
-        ErrorCode.INVALID_ARGUMENT,
-        f"selector operator {operator!r} for key {key!r} is not one of In, NotIn, Exists, "
-        "DoesNotExist; fix the pool's selector",
-        field="selector.matchExpressions",
-    )
-
-
-def selector_matches(labels: Mapping[str, str], selector: Selector) -> bool:
-    """Whether a node with `labels` is selected (every label and every expression must hold)."""
-    for key, value in selector.labels.items():
-        if labels.get(key) != value:
-            return False
-    return all(_expression_matches(labels, e) for e in selector.expressions)
-
-
-def label_selector_text(selector: Selector) -> str:
-    """The `labelSelector` query parameter that asks the API server for the same nodes."""
-    parts = [f"{key}={value}" for key, value in sorted(selector.labels.items())]
-    for expression in selector.expressions:
-        key = expression.get("key", "")
-        operator = expression.get("operator")
-        values = ",".join(sorted(expression.get("values") or ()))
-        if operator == "In":
-            parts.append(f"{key} in ({values})")
-        elif operator == "NotIn":
-            parts.append(f"{key} notin ({values})")
-        elif operator == "Exists":
-            parts.append(key)
-        elif operator == "DoesNotExist":
-            parts.append(f"!{key}")
-        else:
-            _expression_matches({}, expression)  # raises the error naming the operator
-    return ",".join(parts)
-
-
-def _tolerated(taint: Mapping[str, Any], tolerations: Iterable[Mapping[str, Any]]) -> bool:
-    for toleration in tolerations:
-        effect = toleration.get("effect") or ""
-        if effect and effect != taint.get("effect"):
-            continue
-        key = toleration.get("key") or ""
-        if toleration.get("operator", "Equal") == "Exists":
-            if not key or key == taint.get("key"):
-                return True
-        elif key == taint.get("key") and (toleration.get("value") or "") == (
-            taint.get("value") or ""
-        ):
-            return True
-    return False
-
-
 # --- settings, records, machines ------------------------------------------------------------
-
-
-@attrs.frozen
-class PoolSettings:
-    """What the planner needs of a pool's config (the integration maps `PoolConfig` onto it)."""
-
-    name: str
-    namespace: str
-    image: str
-    selector: Selector = Selector()
-    tunnel: bool = False
-    host_network: bool = True
-    tolerations: tuple[Mapping[str, Any], ...] = DEFAULT_TOLERATIONS
-    objects_path: str = "/var/lib/levers9"
-    driver_path: str = "/home/kubernetes/bin/nvidia"
-    idle_minutes: float = 5.0
-    reconcile_seconds: float = 15.0
-    metrics_port: int | None = None
-    """The agent's `/metrics` listener (LEVERS9_METRICS_PORT/HOST); None: off."""
-    metrics_host: str = "127.0.0.1"
-    ttl_seconds_after_finished: int = 600
-    not_ready_grace_s: float = 300.0
-    """As long as Kubernetes' own pods tolerate `node.kubernetes.io/not-ready` by default."""
-    allow_local_registries: bool = False
-    """LEVERS9_ALLOW_LOCAL_REGISTRIES=1: the workers pull from registries on their node."""
 
 
 @attrs.frozen
@@ -574,7 +369,7 @@ def machine_of(
         return NotAMachine(name, "node is cordoned (unschedulable)")
     tolerations = tuple(tolerations)
     for taint in node.taints:
-        if not _tolerated(taint, tolerations):
+        if not tolerated(taint, tolerations):
             return NotAMachine(
                 name, f"node has taint {taint.get('key')}:{taint.get('effect')} not tolerated"
             )
@@ -616,38 +411,6 @@ def machine_of(
         memory_free_bytes=free.memory_bytes,
         worker=our_worker,
     )
-
-
-# --- names ----------------------------------------------------------------------------------
-
-
-def _dns_part(text: str) -> str:
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")
-
-
-def job_name(pool: str, node: str, generation: int) -> str:
-    """`levers9-<pool>-<node>-<hash>-<generation>`: a DNS-1123 label of at most 63 characters,
-    the same for the same inputs (a retried create collides instead of doubling a worker).
-    The hash covers the full pool and node names, so truncation never merges two nodes."""
-    digest = hashlib.sha256(f"{pool}\0{node}".encode()).hexdigest()[:8]
-    pool_part = _dns_part(pool)[:16].strip("-")
-    tail = f"{digest}-{generation}"
-    head = f"levers9-{pool_part}-" if pool_part else "levers9-"
-    room = MAX_NAME_CHARS - len(head) - len(tail) - 1
-    node_part = _dns_part(node)[: max(room, 0)].strip("-")
-    return f"{head}{node_part}-{tail}" if node_part else f"{head}{tail}"
-
-
-def token_secret_name(job: str) -> str:
-    return f"{job}-token"
-
-
-def _label_value(text: str) -> str:
-    """`text` when it is a valid label value, else a shortened form with a hash."""
-    if re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?", text):
-        return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', text)[:50].strip('-_.')}-{digest}".strip("-")
 
 
 # --- the plan -------------------------------------------------------------------------------
@@ -761,40 +524,19 @@ def plan_pool(
     for pod in pods:
         pods_by_node.setdefault(pod.node, []).append(pod)
     records_by_job = {record.job_name: record for record in records}
-    generations: dict[str, int] = {}
-    for known in records_by_job.values():
-        # An expired record outlives its deleted Job, so the next name must still move on.
-        tail = known.job_name.rpartition("-")[2]
-        if tail.isdigit():
-            generations[known.node] = max(generations.get(known.node, -1), int(tail))
-    live_jobs: dict[str, list[JobFacts]] = {}
-    actions: list[Action] = []
-    for job in jobs:
-        generations[job.node] = max(generations.get(job.node, -1), job.generation)
-        record = records_by_job.get(job.name)
-        if job.active and record is not None and now - record.last_seen() >= expire_after_s:
-            actions.append(
-                DeleteJob(job.name, f"no heartbeat for {int(now - record.last_seen())} s", job.node)
-            )
-            continue
-        if job.active and retire is not None and job.name in retire:
-            actions.append(DeleteJob(job.name, retire[job.name], job.node))
-            continue
-        if job.active:
-            live_jobs.setdefault(job.node, []).append(job)
+    jobs = tuple(jobs)
+    generations = _generations(records_by_job.values(), jobs)
+    live_jobs, actions = _live_jobs(jobs, records_by_job, now, expire_after_s, retire)
     for node_name, node_jobs in live_jobs.items():
-        if len(node_jobs) > 1:
-            keep = _worker_to_keep(node_jobs, pods_by_node.get(node_name, ()), records_by_job)
-            actions.extend(
-                DeleteJob(job.name, f"surplus worker on {node_name}: {keep[1]}", node_name)
-                for job in node_jobs
-                if job is not keep[0]
-            )
-            live_jobs[node_name] = [keep[0]]
+        keep, surplus = _one_worker(
+            node_name, node_jobs, pods_by_node.get(node_name, ()), records_by_job
+        )
+        actions += surplus
+        live_jobs[node_name] = keep
         if secrets is not None:
             actions.extend(
                 CreateSecret(job.name, node_name)
-                for job in live_jobs[node_name]
+                for job in keep
                 if token_secret_name(job.name) not in secrets and job.name in tokens
             )
 
@@ -802,36 +544,23 @@ def plan_pool(
     skipped: list[NotAMachine] = []
     seen_nodes: set[str] = set()
     for node in nodes:
-        name = node.name
         if not selector_matches(node.labels, settings.selector):
             continue
-        seen_nodes.add(name)
-        node_jobs = live_jobs.get(name, [])
-        view = _worker_view(node_jobs, records_by_job, now)
-        node_pods = pods_by_node.get(name, ())
-        result = machine_of(
-            node, node_pods, view, pool=settings.name, tolerations=settings.tolerations
+        seen_nodes.add(node.name)
+        result, node_actions = _plan_node(
+            settings,
+            node,
+            live_jobs.get(node.name, []),
+            pods_by_node.get(node.name, ()),
+            records_by_job,
+            generations,
+            now,
         )
         if isinstance(result, NotAMachine):
             skipped.append(result)
-            if not _in_not_ready_grace(node, settings, now):
-                actions.extend(DeleteJob(job.name, result.reason, name) for job in node_jobs)
-            continue
-        if view is None and any(pod.ours and pod.phase not in TERMINAL_PHASES for pod in node_pods):
-            view = WorkerView(WorkerState.STOPPING, 0.0)
-            result = attrs.evolve(result, worker=view)
-        machines.append(result)
-        if view is None and result.cards.free > 0:
-            generation = generations.get(name, -1) + 1
-            actions.append(
-                CreateJob(
-                    node=name,
-                    cards=result.cards.free,
-                    name=job_name(settings.name, name, generation),
-                    generation=generation,
-                    hostname=result.hostname,
-                )
-            )
+        else:
+            machines.append(result)
+        actions += node_actions
     for node_name, node_jobs in live_jobs.items():
         if node_name not in seen_nodes:
             actions.extend(
@@ -847,6 +576,95 @@ def plan_pool(
         tuple(a for a in actions if _action_node(a) not in held),
         held=tuple(sorted(wanted.intersection(held))),
     )
+
+
+def _generations(records: Iterable[WorkerRecord], jobs: Iterable[JobFacts]) -> dict[str, int]:
+    """The last generation seen per node, of every Job and record (ended ones included)."""
+    generations: dict[str, int] = {}
+    for known in records:
+        # An expired record outlives its deleted Job, so the next name must still move on.
+        tail = known.job_name.rpartition("-")[2]
+        if tail.isdigit():
+            generations[known.node] = max(generations.get(known.node, -1), int(tail))
+    for job in jobs:
+        generations[job.node] = max(generations.get(job.node, -1), job.generation)
+    return generations
+
+
+def _live_jobs(
+    jobs: Iterable[JobFacts],
+    records: Mapping[str, WorkerRecord],
+    now: float,
+    expire_after_s: float,
+    retire: Mapping[str, str] | None,
+) -> tuple[dict[str, list[JobFacts]], list[Action]]:
+    """The active Jobs by node, and the deletions of those expired or retired."""
+    live_jobs: dict[str, list[JobFacts]] = {}
+    actions: list[Action] = []
+    for job in jobs:
+        if not job.active:
+            continue
+        record = records.get(job.name)
+        if record is not None and now - record.last_seen() >= expire_after_s:
+            actions.append(
+                DeleteJob(job.name, f"no heartbeat for {int(now - record.last_seen())} s", job.node)
+            )
+        elif retire is not None and job.name in retire:
+            actions.append(DeleteJob(job.name, retire[job.name], job.node))
+        else:
+            live_jobs.setdefault(job.node, []).append(job)
+    return live_jobs, actions
+
+
+def _one_worker(
+    node_name: str,
+    node_jobs: list[JobFacts],
+    pods: Iterable[PodFacts],
+    records: Mapping[str, WorkerRecord],
+) -> tuple[list[JobFacts], list[Action]]:
+    """The node's live Jobs cut to one (`_worker_to_keep`), and the deletions of the rest."""
+    if len(node_jobs) <= 1:
+        return node_jobs, []
+    keep, why = _worker_to_keep(node_jobs, pods, records)
+    surplus: list[Action] = [
+        DeleteJob(job.name, f"surplus worker on {node_name}: {why}", node_name)
+        for job in node_jobs
+        if job is not keep
+    ]
+    return [keep], surplus
+
+
+def _plan_node(
+    settings: PoolSettings,
+    node: NodeFacts,
+    node_jobs: Sequence[JobFacts],
+    node_pods: Sequence[PodFacts],
+    records: Mapping[str, WorkerRecord],
+    generations: Mapping[str, int],
+    now: float,
+) -> tuple[Machine | NotAMachine, list[Action]]:
+    """One selected node: the machine it is (or why not) and what it needs done."""
+    name = node.name
+    view = _worker_view(node_jobs, records, now)
+    result = machine_of(node, node_pods, view, pool=settings.name, tolerations=settings.tolerations)
+    if isinstance(result, NotAMachine):
+        if _in_not_ready_grace(node, settings, now):
+            return result, []
+        return result, [DeleteJob(job.name, result.reason, name) for job in node_jobs]
+    if view is None and any(pod.ours and pod.phase not in TERMINAL_PHASES for pod in node_pods):
+        view = WorkerView(WorkerState.STOPPING, 0.0)
+        result = attrs.evolve(result, worker=view)
+    if view is None and result.cards.free > 0:
+        generation = generations.get(name, -1) + 1
+        create = CreateJob(
+            node=name,
+            cards=result.cards.free,
+            name=job_name(settings.name, name, generation),
+            generation=generation,
+            hostname=result.hostname,
+        )
+        return result, [create]
+    return result, []
 
 
 def _action_node(action: Action) -> str:
@@ -887,27 +705,6 @@ def _worker_to_keep(
     return keep, why
 
 
-def plan_objects(
-    settings: PoolSettings,
-    nodes: Iterable[Mapping[str, Any]],
-    pods: Iterable[Mapping[str, Any]],
-    jobs: Iterable[Mapping[str, Any]],
-    records: Iterable[WorkerRecord],
-    now: float,
-    **kw: Any,
-) -> Plan:
-    """`plan_pool` over objects as the API returns them (a list, not a cache)."""
-    return plan_pool(
-        settings,
-        [node_facts(n) for n in nodes],
-        [f for f in map(pod_facts, pods) if f is not None],
-        [f for f in map(job_facts, jobs) if f is not None],
-        records,
-        now,
-        **kw,
-    )
-
-
 def _in_not_ready_grace(node: NodeFacts, settings: PoolSettings, now: float) -> bool:
     return (
         not node.ready
@@ -930,172 +727,3 @@ def _worker_view(
         since = job.created_at if job.created_at is not None else now
         state = WorkerState.PENDING
     return WorkerView(state, max(now - since, 0.0), job.name)
-
-
-# --- the worker Job -------------------------------------------------------------------------
-
-
-@attrs.frozen
-class WorkerManifests:
-    """The Job and its token Secret. Create the Job, then the Secret via `with_job_uid`."""
-
-    job: dict[str, Any]
-    secret: dict[str, Any] = attrs.field(repr=False)
-
-
-def worker_labels(pool: str, node: str) -> dict[str, str]:
-    return {
-        NAME_LABEL: WORKER_NAME,
-        MANAGED_BY_LABEL: MANAGER,
-        POOL_LABEL: _label_value(pool),
-        NODE_LABEL: _label_value(node),
-    }
-
-
-def job_manifest(
-    settings: PoolSettings,
-    node: str,
-    cards: int,
-    name: str,
-    token_secret_name: str,
-    controlplane_url: str,
-    *,
-    token: str,
-    generation: int = 0,
-    hostname: str | None = None,
-    extra_env: Mapping[str, str] | None = None,
-) -> WorkerManifests:
-    """The worker Job pinned to `node` (through the scheduler, so Kubernetes accounts for the
-    `cards` it requests) and the Secret holding its token, owned by the Job once created."""
-    if cards <= 0:
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"a worker Job for node {node!r} needs at least one card, not {cards}",
-            field="cards",
-        )
-    if settings.tunnel is False and settings.host_network is False:
-        raise ApiError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"pool {settings.name!r}: hostNetwork false needs tunnel true (the controlplane "
-            "dials a direct worker at its node's address)",
-            field="hostNetwork",
-        )
-    labels = worker_labels(settings.name, node)
-    job_labels = {**labels, GENERATION_LABEL: str(generation)}
-    env: list[dict[str, Any]] = [
-        {"name": "LEVERS9_WORKER_ID", "value": name},
-        {"name": "LEVERS9_MODE", "value": "tunnel" if settings.tunnel else "direct"},
-        {"name": "LEVERS9_CONTROLPLANE_URL", "value": controlplane_url},
-        {
-            "name": "LEVERS9_NODE_NAME",
-            "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
-        },
-        {"name": "LEVERS9_STATE_DIR", "value": settings.objects_path},
-        {"name": "LEVERS9_GPU_DRIVER_DIR", "value": settings.driver_path},
-        {"name": "LEVERS9_IDLE_S", "value": str(int(settings.idle_minutes * 60))},
-        # Said explicitly: with hostNetwork the worker's loopback is the node's (kubelet, sshd).
-        {"name": "LEVERS9_LOOPBACK_CONNECT", "value": "off"},
-        {
-            "name": "LEVERS9_WORKER_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": token_secret_name, "key": TOKEN_KEY}},
-        },
-    ]
-    if settings.allow_local_registries:
-        env.append({"name": "LEVERS9_ALLOW_LOCAL_REGISTRIES", "value": "1"})
-    if settings.metrics_port is not None:
-        env += [
-            {"name": "LEVERS9_METRICS_PORT", "value": str(settings.metrics_port)},
-            {"name": "LEVERS9_METRICS_HOST", "value": settings.metrics_host},
-        ]
-    env += [{"name": key, "value": value} for key, value in sorted((extra_env or {}).items())]
-    mounts = [
-        ("objects", settings.objects_path, "DirectoryOrCreate"),
-        ("dev", "/dev", "Directory"),
-        ("driver", settings.driver_path, "Directory"),
-        ("pod-resources", POD_RESOURCES_DIR, "Directory"),
-    ]
-    pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        # A stopping agent stops its containers first, each with its own grace (10 s unless the
-        # task says otherwise); Kubernetes' default of 30 s would cut a slow one short.
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
-        "nodeSelector": {"kubernetes.io/hostname": hostname or node},
-        "hostNetwork": settings.host_network,
-        "tolerations": [dict(t) for t in settings.tolerations],
-        "containers": [
-            {
-                "name": "agent",
-                "image": settings.image,
-                "args": ["run"],
-                "securityContext": {"privileged": True},
-                "env": env,
-                "resources": {
-                    "limits": {GPU_RESOURCE: str(cards)},
-                    "requests": {GPU_RESOURCE: str(cards)},
-                },
-                "volumeMounts": [{"name": volume, "mountPath": path} for volume, path, _ in mounts],
-            }
-        ],
-        "volumes": [
-            {"name": volume, "hostPath": {"path": path, "type": kind}}
-            for volume, path, kind in mounts
-        ],
-    }
-    if settings.host_network:
-        # Without it a hostNetwork pod resolves through the node's resolv.conf, not the cluster.
-        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
-    annotations = {NODE_ANNOTATION: node}
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": settings.namespace,
-            "labels": job_labels,
-            "annotations": annotations,
-        },
-        "spec": {
-            "backoffLimit": 0,
-            "ttlSecondsAfterFinished": settings.ttl_seconds_after_finished,
-            "template": {
-                "metadata": {"labels": job_labels, "annotations": annotations},
-                "spec": pod_spec,
-            },
-        },
-    }
-    return WorkerManifests(job, token_secret(settings, node, name, token_secret_name, token))
-
-
-def token_secret(
-    settings: PoolSettings, node: str, job: str, secret_name: str, token: str
-) -> dict[str, Any]:
-    """The Secret holding a worker's token, to be owned by its Job (`with_job_uid`)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name,
-            "namespace": settings.namespace,
-            "labels": worker_labels(settings.name, node),
-            "ownerReferences": [
-                {
-                    "apiVersion": "batch/v1",
-                    "kind": "Job",
-                    "name": job,
-                    "uid": "",
-                    "controller": True,
-                    "blockOwnerDeletion": False,
-                }
-            ],
-        },
-        "type": "Opaque",
-        "stringData": {TOKEN_KEY: token},
-    }
-
-
-def with_job_uid(secret: Mapping[str, Any], uid: str) -> dict[str, Any]:
-    """`secret` owned by the created Job (`uid` from the create response), so deleting the Job
-    deletes the token too."""
-    metadata = dict(secret["metadata"])
-    metadata["ownerReferences"] = [{**ref, "uid": uid} for ref in metadata["ownerReferences"]]
-    return {**secret, "metadata": metadata}

@@ -448,6 +448,7 @@ def _camel(part: str) -> str:
 
 
 def _validate(pool: PoolConfig, where: str) -> list[str]:
+    """Every rule of one pool's block that spans fields; returns warnings to log."""
     kube = pool.kubernetes
     kw = f"{where}.kubernetes"
     if not _DNS_LABEL.match(pool.name):
@@ -459,6 +460,15 @@ def _validate(pool: PoolConfig, where: str) -> list[str]:
         raise ConfigError(
             f"{where}.provider: only 'kubernetes' is supported, not {pool.provider!r}"
         )
+    _validate_cluster(kube, kw)
+    _validate_workers(kube, kw)
+    _validate_rates(kube, kw)
+    _validate_pod(kube, kw)
+    return _credentials_file_warnings(kube, kw)
+
+
+def _validate_cluster(kube: KubernetesPool, kw: str) -> None:
+    """How the controlplane reaches the cluster: endpoint, CA, credentials, namespace."""
     url = urlsplit(kube.endpoint)
     if url.scheme != "https" or not url.hostname:
         raise ConfigError(
@@ -476,6 +486,10 @@ def _validate(pool: PoolConfig, where: str) -> list[str]:
         )
     if not _DNS_LABEL.match(kube.namespace):
         raise ConfigError(f"{kw}.namespace: must be a DNS label, not {kube.namespace!r}")
+
+
+def _validate_workers(kube: KubernetesPool, kw: str) -> None:
+    """What the worker Jobs are made of: network, image, host paths."""
     if not kube.host_network and not kube.tunnel:
         raise ConfigError(
             f"{kw}.hostNetwork: false needs tunnel: true (without the tunnel the controlplane "
@@ -486,6 +500,10 @@ def _validate(pool: PoolConfig, where: str) -> list[str]:
     for field, host_path in (("objectsPath", kube.objects_path), ("driverPath", kube.driver_path)):
         if not host_path.startswith("/"):
             raise ConfigError(f"{kw}.{field}: must be an absolute host path, not {host_path!r}")
+
+
+def _validate_rates(kube: KubernetesPool, kw: str) -> None:
+    """How often the pool is reconciled, and how hard its API server may be asked."""
     if kube.idle_minutes < 1:
         raise ConfigError(f"{kw}.idleMinutes: must be 1 or more, not {kube.idle_minutes}")
     if not kube.reconcile_seconds > 0:
@@ -496,6 +514,10 @@ def _validate(pool: PoolConfig, where: str) -> list[str]:
         raise ConfigError(f"{kw}.qps: must be a number more than 0, not {kube.qps}")
     if kube.burst < 1:
         raise ConfigError(f"{kw}.burst: must be 1 or more, not {kube.burst}")
+
+
+def _validate_pod(kube: KubernetesPool, kw: str) -> None:
+    """The agent's metrics port and the tolerations its pod carries."""
     if kube.agent_metrics_port is not None and not 0 < kube.agent_metrics_port < 65536:
         raise ConfigError(
             f"{kw}.agentMetricsPort: must be a port 1-65535, not {kube.agent_metrics_port}"
@@ -505,6 +527,10 @@ def _validate(pool: PoolConfig, where: str) -> list[str]:
             raise ConfigError(
                 f"{kw}.tolerations[{i}].operator: must be Equal or Exists, not {tol.operator!r}"
             )
+
+
+def _credentials_file_warnings(kube: KubernetesPool, kw: str) -> list[str]:
+    """A `credentialsFile` checked (readable, well formed); a warning when others can read it."""
     warnings: list[str] = []
     if kube.credentials_file is not None:
         path = Path(kube.credentials_file)

@@ -57,7 +57,14 @@ from control.workspaces import Workspaces
 from wire.backoff import Backoff, BackoffState, next_delay, record_failure
 from wire.errors import ApiError, ErrorCode, dumps
 from workerapi.client import WorkerClient
-from workerapi.models import ContainerSpec, ContainerStatus, Resources
+from workerapi.models import (
+    ContainerSpec,
+    ContainerState,
+    ContainerStatus,
+    RegistryAuth,
+    Resources,
+    VolumeSpec,
+)
 
 log = logging.getLogger("levers9.dispatch")
 T = TypeVar("T")
@@ -169,13 +176,41 @@ def unreachable(exc: ApiError) -> bool:
 
 def outcome(status: ContainerStatus) -> Exited | Failed:
     """The task event for a container that has ended."""
-    if status.state == "exited" and status.exit_code is not None:
+    if status.state is ContainerState.EXITED and status.exit_code is not None:
         if status.oom_killed:
             return Failed(
                 f"killed for using more memory than it asked for (exit {status.exit_code})"
             )
         return Exited(status.exit_code)
     return Failed(status.error or f"the container ended in state {status.state}")
+
+
+def container_spec(
+    record: TaskRecord,
+    volumes: tuple[VolumeSpec, ...],
+    *,
+    registry_auth: RegistryAuth | None,
+    pull_policy: str,
+) -> ContainerSpec:
+    """The container a task asks its worker for: the task's process and limits, its buckets
+    (`volumes`, credentials attached), its workspace's registry login and pull policy, and the
+    labels that tie the container to the task."""
+    spec = record.spec
+    return ContainerSpec(
+        image=spec.image,
+        id=record.id,
+        command=spec.command,
+        args=spec.args,
+        env=dict(spec.env),
+        cards=spec.cards,
+        resources=Resources(cpu_millis=spec.cpu_millis, memory_bytes=spec.memory_bytes),
+        ports=spec.ports,
+        snapshot=spec.snapshot,
+        volumes=volumes,
+        registry_auth=registry_auth,
+        pull_policy=pull_policy,
+        labels={TASK_LABEL: record.id, "levers9.dev/workspace": record.workspace},
+    )
 
 
 def _fields(**fields: object) -> dict[str, object]:
@@ -212,18 +247,21 @@ class Dispatcher:
         *,
         lost_after_s: float,
         clock: Callable[[], float] = time.time,
+        machines: Callable[[], Sequence[MachineSize]] = tuple,
+        retire: Callable[[Retire], bool] = lambda retire: False,
+        on_ended: Sequence[Callable[[str], Awaitable[object]]] = (),
+        on_placed: Sequence[Callable[[TaskRecord], None]] = (),
     ) -> None:
         self.store = store
         self.registry = registry
         self.workspaces = workspaces
         self.lost_after_s = lost_after_s
         self.clock = clock
-        self.machines: Callable[[], Sequence[MachineSize]] = tuple
-        """The pools' machines (set by the controlplane): a task larger than all of them
-        waits with a reason that names the largest."""
-        self.retire: Callable[[Retire], bool] = lambda retire: False
-        """Ask the pool that runs the worker to delete it (set by the controlplane); False when
-        no pool here runs it."""
+        self.machines = machines
+        """The pools' machines: a task larger than all of them waits with a reason that names
+        the largest."""
+        self.retire = retire
+        """Ask the pool that runs the worker to delete it; False when no pool here runs it."""
         self._retiring: dict[str, Retire] = {}
         """Task id → the idle worker given up for it, until the task no longer waits or the
         worker's successor registered."""
@@ -243,9 +281,9 @@ class Dispatcher:
         self._adopted: set[str] = set()
         """Workers whose tasks this replica watches (with several replicas: those it owns)."""
         self._nursery: trio.Nursery | None = None
-        self.on_ended: list[Callable[[str], Awaitable[object]]] = []
+        self.on_ended = tuple(on_ended)
         """Called with a task's id once its watcher is done (its container is gone)."""
-        self.on_placed: list[Callable[[TaskRecord], None]] = []
+        self.on_placed = tuple(on_placed)
         """Called with each task this replica placed on a worker, as placed (metrics)."""
 
     # -- the loop ---------------------------------------------------------------------------
@@ -388,7 +426,7 @@ class Dispatcher:
                     container.id,
                     extra={"worker": worker_id, "container": container.id},
                 )
-                if container.state not in ("exited", "failed"):
+                if not container.state.finished:
                     await client.stop_container(container.id, grace_s=0)
                 await client.delete_container(container.id)
 
@@ -818,13 +856,15 @@ class Dispatcher:
             begun = record.started_at or self.clock()
             deadline = trio.current_time() + max(0.0, begun + record.spec.timeout_s - self.clock())
         status: ContainerStatus | None = None
-        with trio.move_on_at(deadline if deadline is not None else float("inf")):
+        with trio.move_on_at(deadline if deadline is not None else float("inf")) as timeout:
             status = await self._start(record, adopted)
             if status is None:
                 return
-            if status.state not in ("exited", "failed"):
+            if not status.state.finished:
+                # The worker answers once the container has ended: its answer is the end, also
+                # in a state a newer worker added (`outcome` fails the task naming it).
                 status = await self.on_worker(worker, lambda c: c.wait_container(task_id))
-        if status is None or status.state not in ("exited", "failed"):
+        if timeout.cancelled_caught or status is None:
             await self._settle(
                 record, Failed(f"ran past its timeout of {record.spec.timeout_s:g} s; stopped")
             )
@@ -873,9 +913,9 @@ class Dispatcher:
                     return None
                 status = None
             if status is not None:
-                if status.state == "running" and record.state is TaskState.STARTING:
+                if status.state is ContainerState.RUNNING and record.state is TaskState.STARTING:
                     await self._running(record, status)
-                if status.state in ("running", "exited", "failed"):
+                if status.state is ContainerState.RUNNING or status.state.finished:
                     return status
         try:
             spec = await self._container_spec(record)
@@ -899,7 +939,7 @@ class Dispatcher:
             return None
         assert created is not None
         status = created
-        if status.state == "running":
+        if status.state is ContainerState.RUNNING:
             await self._running(record, status)
         return status
 
@@ -913,7 +953,7 @@ class Dispatcher:
         # A create that went through before the connection broke: wait for it to settle.
         while True:
             status = await client.container(spec.id)
-            if status.state not in ("pulling", "creating"):
+            if not status.state.settling:
                 return status
             await trio.sleep(PROGRESS_EVERY_S)
 
@@ -931,7 +971,7 @@ class Dispatcher:
                 self.progress[task_id] = status
                 if previous is None or previous.pull != status.pull:
                     self.changed()
-                    if status.state == "pulling":
+                    if status.state is ContainerState.PULLING:
                         every = PROGRESS_EVERY_S
 
     async def _container_spec(self, record: TaskRecord) -> ContainerSpec:
@@ -940,20 +980,11 @@ class Dispatcher:
         if spec.snapshot is not None:
             assert record.worker is not None
             await self._bring_snapshot(spec.snapshot, record.worker)
-        return ContainerSpec(
-            image=spec.image,
-            id=record.id,
-            command=spec.command,
-            args=spec.args,
-            env=dict(spec.env),
-            cards=spec.cards,
-            resources=Resources(cpu_millis=spec.cpu_millis, memory_bytes=spec.memory_bytes),
-            ports=spec.ports,
-            snapshot=spec.snapshot,
-            volumes=volumes,
+        return container_spec(
+            record,
+            volumes,
             registry_auth=self.workspaces.registry_auth(record.workspace, spec.image),
             pull_policy=self.workspaces.pull_policy(spec.image),
-            labels={TASK_LABEL: record.id, "levers9.dev/workspace": record.workspace},
         )
 
     async def _bring_snapshot(self, digest: str, worker: str) -> None:

@@ -36,10 +36,10 @@ import trio
 
 from control.db.base import CasConflict, Database, TaskStoreError, Tx
 from control.db.open import DatabaseWhere, open_database
-from control.models import TaskState
+from control.models import TaskFields, TaskState
 from wire.errors import ApiError, ErrorCode, dumps, structure
 from workerapi.models import VolumeSpec
-from workerapi.validation import canonical_mount_path, check_c_string, check_env_name
+from workerapi.validation import check_mount_paths, check_process, check_resources, invalid
 
 T = TypeVar("T")
 
@@ -49,70 +49,29 @@ ACTIVE_ON_WORKER = (TaskState.STARTING, TaskState.RUNNING)
 
 
 @attrs.frozen
-class TaskSpec:
-    """What a task runs. `command` replaces the image's entrypoint and `args` its cmd."""
+class TaskSpec(TaskFields):
+    """What a task runs, as stored: the request with its buckets resolved (`volumes`, without
+    credentials once stored). The JSON of records written before the fields were shared with
+    the request and the container spec is the same, key for key."""
 
-    image: str
-    command: tuple[str, ...] | None = None
-    args: tuple[str, ...] | None = None
-    env: dict[str, str] = attrs.field(factory=dict)
-    cards: int = 0
-    cpu_millis: int | None = None
-    memory_bytes: int | None = None
     volumes: tuple[VolumeSpec, ...] = ()
-    ports: tuple[int, ...] = ()
-    timeout_s: float | None = None
-    snapshot: str | None = None
-
-
-def _invalid(field: str, message: str) -> ApiError:
-    return ApiError(ErrorCode.INVALID_ARGUMENT, f"field {field!r}: {message}", field=field)
 
 
 def validate_spec(workspace: str, spec: TaskSpec) -> None:
-    """Refuse a spec a worker could not run, naming the field and what to change."""
-    if not spec.image.strip():
-        raise _invalid("image", "is empty; give an image reference such as 'busybox:latest'")
-    try:
-        for name, value in spec.env.items():
-            check_env_name(name)
-            check_c_string(value, f"the value of {name}")
-    except ValueError as exc:
-        raise _invalid("env", str(exc)) from None
-    for field, values in (("command", spec.command), ("args", spec.args)):
-        for i, value in enumerate(values or ()):
-            try:
-                check_c_string(value, f"item {i}")
-            except ValueError as exc:
-                raise _invalid(field, str(exc)) from None
-    if spec.cards < 0:
-        raise _invalid("cards", f"is {spec.cards}; give 0 or more cards")
-    if spec.cpu_millis is not None and spec.cpu_millis <= 0:
-        raise _invalid("cpuMillis", f"is {spec.cpu_millis}; give a positive number or omit it")
-    if spec.memory_bytes is not None and spec.memory_bytes <= 0:
-        raise _invalid("memoryBytes", f"is {spec.memory_bytes}; give a positive number or omit it")
+    """Refuse a spec a worker could not run, naming the field and what to change: the one
+    validation the worker applies too (`workerapi.validation`), and what only a task has."""
+    check_process(spec)
+    check_resources(cpu_millis=spec.cpu_millis, memory_bytes=spec.memory_bytes)
     if spec.timeout_s is not None and not (math.isfinite(spec.timeout_s) and spec.timeout_s > 0):
-        raise _invalid("timeoutS", f"is {spec.timeout_s}; give a positive number or omit it")
-    for port in spec.ports:
-        if not 1 <= port <= 65535:
-            raise _invalid("ports", f"port {port} is outside 1..65535")
-    if len(set(spec.ports)) != len(spec.ports):
-        raise _invalid("ports", "lists a port more than once")
-    mounts: set[str] = set()
+        raise invalid("timeoutS", f"is {spec.timeout_s}; give a positive number or omit it")
     for i, volume in enumerate(spec.volumes):
         if volume.workspace != workspace:
-            raise _invalid(
+            raise invalid(
                 f"volumes[{i}].workspace",
                 f"is {volume.workspace!r}; a task may only mount buckets of its own workspace "
                 f"{workspace!r}",
             )
-        try:
-            path = canonical_mount_path(volume.mount_path)
-        except ValueError as exc:
-            raise _invalid(f"volumes[{i}].mountPath", str(exc)) from None
-        if path in mounts:
-            raise _invalid(f"volumes[{i}].mountPath", f"{volume.mount_path!r} is used twice")
-        mounts.add(path)
+    check_mount_paths([volume.mount_path for volume in spec.volumes])
 
 
 def without_secrets(spec: TaskSpec) -> TaskSpec:
@@ -520,7 +479,7 @@ class TaskStore:
         last of the previous page) those created before it, so pages never overlap or skip
         one however many tasks arrive meanwhile."""
         if limit < 1:
-            raise _invalid("limit", f"is {limit}; give 1 or more")
+            raise invalid("limit", f"is {limit}; give 1 or more")
         wanted = None if states is None else [s.value for s in states]
 
         def select(tx: Tx) -> tuple[TaskRecord, ...]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import h2.errors
 import trio
@@ -45,6 +46,7 @@ __all__ = [
     "Peers",
     "dial_pinned",
     "is_forwarded",
+    "open_peers",
     "refuse",
     "relay",
     "replica_secret_matches",
@@ -225,9 +227,22 @@ async def refuse(stream: H2Stream, exc: ApiError) -> None:
         await stream.send_data(body, end_stream=True)
 
 
+@asynccontextmanager
+async def open_peers(
+    secret: str,
+    *,
+    settings: Http2Settings | None = None,
+    keepalive: KeepaliveConfig | None = None,
+) -> AsyncIterator[Peers]:
+    """`Peers` whose connections run in a nursery of its own, closed as the block ends."""
+    async with trio.open_nursery() as nursery:
+        yield Peers(nursery, secret, settings=settings, keepalive=keepalive)
+        nursery.cancel_scope.cancel()
+
+
 class Peers:
     """One connection to each other replica this one forwards to, dialed when first needed
-    and again once it broke."""
+    and again once it broke. Opened by `open_peers`, which runs those connections."""
 
     def __init__(
         self,

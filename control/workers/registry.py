@@ -24,7 +24,8 @@ import builtins
 import hmac
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
 
 import attrs
 import trio
@@ -89,7 +90,35 @@ class WorkerEntry:
         return False
 
 
+@asynccontextmanager
+async def open_worker_registry(
+    tokens: Mapping[str, str],
+    *,
+    settings: Http2Settings | None = None,
+    keepalive: KeepaliveConfig | None = None,
+    replication: Replication | None = None,
+    clock: Callable[[], float] = time.time,
+    on_connection: Callable[[Http2Connection, str], None] | None = None,
+) -> AsyncIterator[WorkerRegistry]:
+    """A `WorkerRegistry` whose direct connections run in a nursery of its own, closed as the
+    block ends. `on_connection` is told of each tunnel that lands and each direct connection
+    dialed, with its mode (metrics count their bytes and round trips)."""
+    async with trio.open_nursery() as nursery:
+        yield WorkerRegistry(
+            tokens,
+            nursery,
+            settings=settings,
+            keepalive=keepalive,
+            replication=replication,
+            clock=clock,
+            on_connection=on_connection,
+        )
+        nursery.cancel_scope.cancel()
+
+
 class WorkerRegistry:
+    """Opened by `open_worker_registry`, which runs the connections it dials."""
+
     def __init__(
         self,
         tokens: Mapping[str, str],
@@ -99,6 +128,7 @@ class WorkerRegistry:
         keepalive: KeepaliveConfig | None = None,
         replication: Replication | None = None,
         clock: Callable[[], float] = time.time,
+        on_connection: Callable[[Http2Connection, str], None] | None = None,
     ) -> None:
         self._entries = {wid: WorkerEntry(wid, token) for wid, token in tokens.items()}
         self._configured = dict(tokens)
@@ -112,9 +142,7 @@ class WorkerRegistry:
         self._owner_cache: dict[str, tuple[OwnerAddress, float]] = {}
         self._clock = clock
         self._nursery = nursery
-        self.on_connection: Callable[[Http2Connection, str], None] | None = None
-        """Told of each tunnel that lands and each direct connection dialed, with its mode
-        (metrics count their bytes and round trips)."""
+        self.on_connection = on_connection
         self._settings = settings
         self._keepalive = keepalive
         self._changed = trio.lowlevel.ParkingLot()

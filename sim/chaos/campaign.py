@@ -36,7 +36,6 @@ from typing import Any
 import attrs
 import trio
 
-from control.kube.planner import job_active
 from control.models import TaskState, TaskView
 from proc.signals import run_until_signalled
 from sim.chaos.faults import Injected, Installation, NodeInfo, inject
@@ -57,7 +56,7 @@ from sim.cluster import PoolSpec
 from sim.faultproxy import FaultProxy
 from sim.kubeapi.http import start_kube_standin
 from sim.kubeapi.objects import job_node
-from sim.kubelet import SimNode
+from sim.kubelet import SimNode, job_is_finished
 from sim.postgres import PostgresServer, running_postgres
 from sim.registry import build_image, busybox_image, push, running_registry
 from sim.replicas import open_replicated_cluster
@@ -226,7 +225,10 @@ async def _sample_jobs(inst: Installation, samples: Samples, started: float) -> 
         counts: Counter[str] = Counter()
         for job in inst.kube.objects("jobs", NAMESPACE):
             node = job_node(job)
-            if node is not None and job_active(job):
+            # Read as Kubernetes shows it (not by the planner's rule, which this checks):
+            # neither finished nor being deleted.
+            deleting = bool(job.get("metadata", {}).get("deletionTimestamp"))
+            if node is not None and not job_is_finished(job) and not deleting:
                 counts[node] += 1
         samples.jobs.append((trio.current_time() - started, dict(counts)))
         await trio.sleep(SAMPLE_JOBS_S)

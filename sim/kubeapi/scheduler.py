@@ -11,7 +11,7 @@ inter-pod affinity.
 Requests are counted as the scheduler's `computePodResourceRequest` counts them, written here
 from Kubernetes' rules rather than taken from the controlplane's planner, so that the planner's
 counting is checked against another reading (as `sim.kubelet.pod_gpus` is for cards); a
-quantity's syntax is read by the planner's `parse_quantity`.
+quantity's syntax, which decides nothing, is read by `control.kube.quantities.parse_quantity`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Any
 
 import attrs
 
-from control.kube.planner import QuantityError, parse_quantity
+from control.kube.quantities import QuantityError, parse_quantity
 from sim.kubeapi.model import GPU, Obj
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 def quantity(value: object) -> Fraction:
-    """A resource quantity ("500m", "32Gi", "1e3", 4) as a number, read as the planner reads
+    """A resource quantity ("500m", "32Gi", "1e3", 4) as a number, read as the controlplane reads
     it (the syntax is Kubernetes'; only the counting rules below are written again); 0 when it
     does not parse (the apiserver would have refused it; the stand-in does not validate pods)."""
     if not isinstance(value, (str, int, float)):

@@ -22,7 +22,6 @@ import socket
 import ssl
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from http import HTTPStatus
 from pathlib import Path
@@ -359,11 +358,6 @@ class KubeStandin:
                 and (method is None or r.method == method)
                 and r.path.startswith(path_prefix)
             )
-
-    def request_counts(self) -> Counter[tuple[str, str]]:
-        """(verb, path) -> number of requests."""
-        with self._lock:
-            return Counter((r.verb, r.path) for r in self.requests)
 
     def list_count(self, plural: str) -> int:
         """How many LIST requests (whatever their answer) addressed `plural`, in any namespace;
@@ -1367,7 +1361,7 @@ def synthetic_cluster(kube: KubeStandin, nodes: int, pods_per_node: int) -> None
 def synthetic_workers(kube: KubeStandin, pool: str, namespace: str = "levers9") -> None:
     """A running worker of `pool` on every node, as a reconcile pass would have left them:
     the Job (from the real manifest), its token Secret and its pod holding 3 cards."""
-    from control.kube.planner import (
+    from control.kube.manifests import (
         PoolSettings,
         job_manifest,
         job_name,

@@ -5,14 +5,13 @@ the platform chosen, every descriptor checked before anything is fetched.
 from __future__ import annotations
 
 import json
-import platform as platform_module
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from wire.errors import ErrorCode
-from workerapi.reference import ANY_DIGEST_RE, DIGEST_RE, ImageError
+from workerapi.reference import ANY_DIGEST_RE, DIGEST_RE, ImageError, Platform
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -44,33 +43,6 @@ MAX_MANIFEST_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 8 << 20
 # An index may point at another index; real images nest at most once.
 MAX_INDEX_DEPTH = 3
-_ARCHITECTURES = {
-    "x86_64": ("amd64", None),
-    "amd64": ("amd64", None),
-    "aarch64": ("arm64", None),
-    "arm64": ("arm64", None),
-    "armv7l": ("arm", "v7"),
-    "armv6l": ("arm", "v6"),
-    "i386": ("386", None),
-    "i686": ("386", None),
-}
-
-
-@attrs.frozen
-class Platform:
-    os: str
-    architecture: str
-    variant: str | None = None
-
-    @classmethod
-    def of_this_node(cls) -> Platform:
-        machine = platform_module.machine().lower()
-        architecture, variant = _ARCHITECTURES.get(machine, (machine, None))
-        return cls(os="linux", architecture=architecture, variant=variant)
-
-    def __str__(self) -> str:
-        text = f"{self.os}/{self.architecture}"
-        return f"{text}/{self.variant}" if self.variant else text
 
 
 @attrs.frozen

@@ -54,7 +54,6 @@ from agent.runtime.images.manifests import (
     ImageConfig,
     ImageManifest,
     Layer,
-    Platform,
     bad_manifest,
     check_image_manifest,
     choose_manifest,
@@ -70,6 +69,7 @@ from workerapi.reference import (
     PULL_POLICIES,
     ImageError,
     ImageReference,
+    Platform,
     is_loopback,
     registry_address,
     registry_scheme,
@@ -368,40 +368,10 @@ class ImagePuller:
     ) -> PulledImage:
         session = self._session(ref, credentials)
         what = f"image {ref}"
-
-        top: str | None = ref.digest
-        cached = False
-        if top is None and policy == "if-not-present":
-            top = await self.tags.get(str(ref))
-            cached = top is not None
-        if top is not None:
-            self.store.pin(top, owner)
-        # `always` asks the registry even for a digest it holds: that is also how a caller
-        # proves it may pull an image someone else's credentials brought here.
-        trust_local = top is not None and policy != "always"
-        body = await self._local_manifest(top) if trust_local and top is not None else None
-        if body is None:
-            top, body = await self._fetch_manifest(session, ref.digest or ref.tag or "", what)
-            self.store.pin(top, owner)
-            cached = False
-        assert top is not None
-
-        index_digest: str | None = None
-        manifest_digest, manifest_body = top, body
-        for _ in range(MAX_INDEX_DEPTH):
-            parsed = parse_manifest(manifest_body, None, what=what)
-            if isinstance(parsed, ImageManifest):
-                break
-            index_digest = index_digest or manifest_digest
-            chosen = choose_manifest(parsed, self.platform, what=what)
-            manifest_digest = chosen.digest
-            self.store.pin(manifest_digest, owner)
-            local = await self._local_manifest(manifest_digest)
-            if local is None:
-                _, local = await self._fetch_manifest(session, manifest_digest, what)
-            manifest_body = local
-        else:
-            raise bad_manifest(what, f"its indexes nest deeper than {MAX_INDEX_DEPTH}")
+        top, body, cached = await self._top_manifest(session, ref, policy, owner, what)
+        index_digest, manifest_digest, parsed = await self._platform_manifest(
+            session, top, body, owner, what
+        )
         layers = check_image_manifest(parsed, what=what)
 
         config_descriptor = parsed.config
@@ -415,17 +385,7 @@ class ImagePuller:
             self.store.pin(descriptor.digest, owner)
         fetched = await self._ensure_blobs(session, descriptors, tracker)
 
-        config_body = await self._local_blob(config_descriptor.digest)
-        if config_body is None:
-            # Found damaged on reading (and discarded): fetch it once more.
-            await self._ensure_blobs(session, [config_descriptor], tracker)
-            config_body = await self._local_blob(config_descriptor.digest)
-            if config_body is None:
-                raise ImageError(
-                    ErrorCode.UNAVAILABLE,
-                    f"the config of {what} could not be read back intact; retry",
-                    field="image",
-                )
+        config_body = await self._config_body(session, config_descriptor, tracker, what)
         config, diff_ids = parse_image_config(config_body, what=what)
         if len(diff_ids) != len(layers):
             raise bad_manifest(
@@ -459,6 +419,67 @@ class ImagePuller:
             },
         )
         return image
+
+    async def _top_manifest(
+        self, session: _Session, ref: ImageReference, policy: str, owner: str, what: str
+    ) -> tuple[str, bytes, bool]:
+        """The manifest (or index) `ref` names, pinned: its digest, its bytes, and whether its
+        tag was resolved from the tag index rather than the registry."""
+        top: str | None = ref.digest
+        cached = False
+        if top is None and policy == "if-not-present":
+            top = await self.tags.get(str(ref))
+            cached = top is not None
+        if top is not None:
+            self.store.pin(top, owner)
+        # `always` asks the registry even for a digest it holds: that is also how a caller
+        # proves it may pull an image someone else's credentials brought here.
+        trust_local = top is not None and policy != "always"
+        body = await self._local_manifest(top) if trust_local and top is not None else None
+        if body is None:
+            top, body = await self._fetch_manifest(session, ref.digest or ref.tag or "", what)
+            self.store.pin(top, owner)
+            cached = False
+        assert top is not None
+        return top, body, cached
+
+    async def _platform_manifest(
+        self, session: _Session, top: str, body: bytes, owner: str, what: str
+    ) -> tuple[str | None, str, ImageManifest]:
+        """The image manifest for this node's platform, following indexes down from `top`:
+        the first index's digest (None without one), the manifest's digest and the manifest."""
+        index_digest: str | None = None
+        manifest_digest, manifest_body = top, body
+        for _ in range(MAX_INDEX_DEPTH):
+            parsed = parse_manifest(manifest_body, None, what=what)
+            if isinstance(parsed, ImageManifest):
+                return index_digest, manifest_digest, parsed
+            index_digest = index_digest or manifest_digest
+            chosen = choose_manifest(parsed, self.platform, what=what)
+            manifest_digest = chosen.digest
+            self.store.pin(manifest_digest, owner)
+            local = await self._local_manifest(manifest_digest)
+            if local is None:
+                _, local = await self._fetch_manifest(session, manifest_digest, what)
+            manifest_body = local
+        raise bad_manifest(what, f"its indexes nest deeper than {MAX_INDEX_DEPTH}")
+
+    async def _config_body(
+        self, session: _Session, descriptor: Descriptor, tracker: _Tracker, what: str
+    ) -> bytes:
+        """The image config's bytes from the store, fetched once more if found damaged."""
+        config_body = await self._local_blob(descriptor.digest)
+        if config_body is None:
+            # Found damaged on reading (and discarded): fetch it once more.
+            await self._ensure_blobs(session, [descriptor], tracker)
+            config_body = await self._local_blob(descriptor.digest)
+            if config_body is None:
+                raise ImageError(
+                    ErrorCode.UNAVAILABLE,
+                    f"the config of {what} could not be read back intact; retry",
+                    field="image",
+                )
+        return config_body
 
     # -- manifests -----------------------------------------------------------------------------
 

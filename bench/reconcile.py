@@ -76,7 +76,12 @@ from bench.report import Results, publish, ratios_of
 from control.kube.adapter import LIST_PAGE, build_api_client
 from control.kube.caches import BOUND_LIVE_PODS, PoolCluster, open_clusters
 from control.kube.loop import MIN_GAP_S, PoolReconciler
-from control.kube.manifests import PoolSettings, job_manifest, job_name
+from control.kube.manifests import (
+    PoolSettings,
+    job_manifest,
+    job_name,
+    token_secret_name,
+)
 from control.kube.planner import (
     JobFacts,
     NodeFacts,
@@ -127,7 +132,7 @@ POOL = "bench"
 POOL_SELECTOR = {"pool": POOL}
 """The labels `sim.kubeapi`'s synthetic nodes carry."""
 WORKER_NAMESPACE = "levers9"
-"""Where `sim.kubeapi --workers-of-pool` puts our Jobs."""
+"""Where the seeded workers' Jobs are (`worker_jobs`)."""
 NEIGHBOUR_NAMESPACE = "work"
 """Where `sim.kubeapi`'s synthetic pods are; ``p-NODE-000`` holds a card."""
 CONTROLPLANE_URL = "https://levers9.bench.test"
@@ -289,6 +294,26 @@ def measure_planner(size: Size) -> PlannerSamples:
 # --- the caches and the loop against the stand-in ---------------------------------------------
 
 
+def worker_jobs(node_count: int) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """A running worker of the pool on every synthetic node (`node-00000`...), as a reconcile
+    pass would have left them: the Job and token Secret from the real manifest, 3 cards each."""
+    settings = PoolSettings(name=POOL, namespace=WORKER_NAMESPACE, image="worker:bench")
+    for index in range(node_count):
+        node = f"node-{index:05d}"
+        name = job_name(POOL, node, 0)
+        manifests = job_manifest(
+            settings,
+            node,
+            3,
+            name,
+            token_secret_name(name),
+            CONTROLPLANE_URL,
+            token="bench",
+            hostname=node,
+        )
+        yield manifests.job, manifests.secret
+
+
 @asynccontextmanager
 async def open_kube_standin_process(
     directory: Path, node_count: int, pods_per_node: int, bookmark_s: float = BOOKMARK_S
@@ -297,7 +322,10 @@ async def open_kube_standin_process(
     own process; yields its kubeconfig, stops it on exit (it also exits when its stdin closes)."""
     command = [sys.executable, "-m", "sim.kubeapi", str(directory)]
     command += ["--nodes", str(node_count), "--pods-per-node", str(pods_per_node)]
-    command += ["--workers-of-pool", POOL, "--bookmark-interval-s", str(bookmark_s)]
+    directory.mkdir(parents=True, exist_ok=True)
+    seed = directory / "workers.jsonl"
+    seed.write_text("".join(json.dumps(pair) + "\n" for pair in worker_jobs(node_count)))
+    command += ["--seed-jobs", str(seed), "--bookmark-interval-s", str(bookmark_s)]
     server = await trio.lowlevel.open_process(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )

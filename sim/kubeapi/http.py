@@ -51,7 +51,7 @@ from sim.kubeapi.model import (
 )
 from sim.kubeapi.openapi import openapi_v3
 from sim.kubeapi.rbac import subject_review
-from sim.kubeapi.store import KubeStandin, RequestRecord, synthetic_cluster, synthetic_workers
+from sim.kubeapi.store import KubeStandin, RequestRecord, seed_jobs, synthetic_cluster
 from sim.kubeapi.tables import table_of
 from sim.kubeapi.watch import Event, Expired, Watcher, bookmark_line
 
@@ -645,9 +645,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=0)
     parser.add_argument("--pods-per-node", type=int, default=0)
     parser.add_argument(
-        "--workers-of-pool",
-        metavar="POOL",
-        help="also give every node a running levers9 worker of POOL (a pass's steady state)",
+        "--seed-jobs",
+        metavar="FILE",
+        type=Path,
+        help="JSON lines of [job, secret-or-null]: Jobs held as created, their pods running "
+        "(e.g. the workers a reconcile pass would have left)",
     )
     parser.add_argument(
         "--bookmark-interval-s",
@@ -660,8 +662,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     running.kube.bookmark_interval_s = args.bookmark_interval_s
     try:
         synthetic_cluster(running.kube, args.nodes, args.pods_per_node)
-        if args.workers_of_pool:
-            synthetic_workers(running.kube, args.workers_of_pool)
+        if args.seed_jobs is not None:
+            with args.seed_jobs.open() as lines:
+                seed_jobs(running.kube, (tuple(json.loads(line)) for line in lines if line.strip()))
         kubeconfig = running.kube.write_kubeconfig(args.directory / "kubeconfig")
         print(json.dumps({"url": running.kube.url, "kubeconfig": str(kubeconfig)}), flush=True)
         sys.stdin.read()

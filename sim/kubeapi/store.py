@@ -92,8 +92,8 @@ __all__ = [
     "KubeStandin",
     "RequestRecord",
     "WatchFaults",
+    "seed_jobs",
     "synthetic_cluster",
-    "synthetic_workers",
 ]
 
 log = logging.getLogger(__name__)
@@ -1358,33 +1358,25 @@ def synthetic_cluster(kube: KubeStandin, nodes: int, pods_per_node: int) -> None
     )
 
 
-def synthetic_workers(kube: KubeStandin, pool: str, namespace: str = "levers9") -> None:
-    """A running worker of `pool` on every node, as a reconcile pass would have left them:
-    the Job (from the real manifest), its token Secret and its pod holding 3 cards."""
-    from control.kube.manifests import (
-        PoolSettings,
-        job_manifest,
-        job_name,
-        token_secret_name,
-        with_job_uid,
-    )
-
-    kube.add_namespace(namespace)
-    settings = PoolSettings(name=pool, namespace=namespace, image="worker:bench")
-    for node in kube.objects("nodes"):
-        node_name = node["metadata"]["name"]
-        name = job_name(pool, node_name, 0)
-        manifests = job_manifest(
-            settings,
-            node_name,
-            3,
-            name,
-            token_secret_name(name),
-            "https://levers9.bench.test",
-            token="bench",
-            hostname=node_name,
-        )
-        job = kube._put("jobs", manifests.job, create=True)
-        # Its token Secret too, as the reconciler creates it: a pass reads it back only once.
-        kube.create("secrets", with_job_uid(manifests.secret, job["metadata"]["uid"]))
-        kube.run_job_pod(job, node_name)
+def seed_jobs(kube: KubeStandin, jobs: Iterable[tuple[Obj, Obj | None]]) -> None:
+    """Jobs as a controller left them: each Job created, its pod running on the node the Job
+    pins, and its companion Secret (if any) created with the Job's uid in the owner references
+    that name the Job, as a controller that writes the Job first and the Secret second leaves
+    them. The objects are the caller's; the stand-in adds only what an apiserver would."""
+    namespaces: set[str] = set()
+    for job_body, secret in jobs:
+        namespace = job_body["metadata"].get("namespace", "default")
+        if namespace not in namespaces:
+            kube.add_namespace(namespace)
+            namespaces.add(namespace)
+        job = kube._put("jobs", job_body, create=True)
+        if secret is not None:
+            name, uid = job["metadata"]["name"], job["metadata"]["uid"]
+            refs = [
+                {**ref, "uid": uid} if ref.get("kind") == "Job" and ref.get("name") == name else ref
+                for ref in secret["metadata"].get("ownerReferences", ())
+            ]
+            kube.create(
+                "secrets", {**secret, "metadata": {**secret["metadata"], "ownerReferences": refs}}
+            )
+        kube.run_job_pod(job)

@@ -520,9 +520,12 @@ async def measure_stream(
     echoes: a token stream's or a terminal's pace, data moving both ways at once. One untimed
     exchange first.
 
-    A message is timed from when it was due, not from when the sender got to send it: a sender
-    held up (a full window, a stalled path) sends late, and timing from the late send would
-    leave the stall out of every sample (coordinated omission), so the p99 would not show it.
+    A message the sender reaches late is timed from when it was due, not from when the sender
+    got to send it: a sender held up (a full window, a stalled path) sends late, and timing from
+    the late send would leave the stall out of every sample (coordinated omission), so the p99
+    would not show it. A message the sender waited for is timed from when its wait ended: the
+    event loop's timer wakes up to a millisecond after the slot (epoll counts milliseconds),
+    which is the benchmark's clock, not the path, and would add the same ~0.5 ms to every path.
     """
     message = os.urandom(message_bytes)
     samples: list[float] = []
@@ -535,8 +538,10 @@ async def measure_stream(
         async with trio.open_nursery() as nursery:
 
             async def send() -> None:
-                for when in due:
-                    await trio.sleep_until(when)
+                for index, when in enumerate(due):
+                    if trio.current_time() < when:
+                        await trio.sleep_until(when)
+                        due[index] = trio.current_time()
                     await stream.send_all(message)
 
             nursery.start_soon(send)

@@ -347,6 +347,18 @@ async def test_a_limit_no_worker_can_start_is_refused_at_create(
     assert (await post_task(served, least.encode())).status_code == 201
 
 
+async def test_a_snapshot_that_is_no_digest_is_refused_naming_where_digests_come_from(
+    served: Served,
+) -> None:
+    answer = await post_task(served, b'{"image":"busybox","snapshot":"sha256:abc"}')
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert (error["code"], error["field"]) == ("INVALID_ARGUMENT", "snapshot")
+    assert "'sha256:abc' is not a digest" in error["message"]
+    assert "levers9 task snapshot" in error["message"]
+    assert await served.control.dispatcher.store.list("team", None, 10, None) == ()
+
+
 async def test_deep_json_is_a_400_not_a_500(served: Served) -> None:
     answer = await post_task(served, b"[" * 1000 + b"]" * 1000)
     assert answer.status_code == 400

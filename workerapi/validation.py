@@ -136,8 +136,12 @@ def check_process(spec: ProcessSpec) -> None:
     if spec.snapshot is not None:
         try:
             parse_digest(spec.snapshot, field="snapshot")
-        except ApiError as exc:
-            raise invalid("snapshot", exc.message) from None
+        except ApiError:
+            raise invalid(
+                "snapshot",
+                f"{spec.snapshot!r} is not a digest (sha256:<64 hex>); use the one a snapshot "
+                "printed (`levers9 task snapshot`)",
+            ) from None
 
 
 def check_resources(

@@ -45,7 +45,6 @@ from wire.service import (
     StreamResponse,
     bearer_token,
 )
-from workerapi.digests import parse_digest
 from workerapi.models import VolumeSpec
 from workerapi.reference import local_registry_refusal, parse_reference
 from workerapi.validation import canonical_mount_path
@@ -76,19 +75,10 @@ def workspace_of(request_principal: str) -> str:
 def spec_of(
     request: TaskRequest, volumes: tuple[VolumeSpec, ...], *, allow_local_registries: bool = False
 ) -> TaskSpec:
-    """The spec to store, or INVALID_ARGUMENT naming the field. An image on a registry at a
-    loopback or link-local address (written in the reference) is refused here already, unless
-    the installation allows local registries; a name is resolved, and judged, by the worker."""
-    if request.snapshot is not None:
-        try:
-            parse_digest(request.snapshot)
-        except ApiError:
-            raise ApiError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"field 'snapshot': {request.snapshot!r} is not a digest (sha256:<64 hex>); "
-                "use the one `levers9 task snapshot` printed",
-                field="snapshot",
-            ) from None
+    """The spec to store, or INVALID_ARGUMENT naming the field: the volumes at their canonical
+    mount paths, and an image on a registry at a loopback or link-local address (written in the
+    reference) refused unless the installation allows local registries (a name is resolved, and
+    judged, by the worker). The rest is the shared check (`validate_spec`)."""
     try:
         reference = parse_reference(request.image)
     except ApiError as exc:

@@ -47,7 +47,7 @@ from sim.browser import CHROMIUM, spki_pin
 from sim.cluster import cli_environment, free_port, run_cli
 from sim.configs import Pki, make_pki
 from sim.controlplane import run_controlplane
-from workerapi.models import CardInfo, Registration
+from workerapi.models import CardInfo, CardState, Registration
 
 PAGE = 50
 TARGET = (
@@ -135,7 +135,7 @@ async def register_workers(control: Controlplane, plan: Plan) -> None:
                         index=0,
                         model="NVIDIA H100 80GB HBM3",
                         memory_total_bytes=80 << 30,
-                        state="serving",
+                        state=CardState.SERVING,
                         reason="",
                     ),
                 ),

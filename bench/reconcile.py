@@ -314,6 +314,14 @@ def worker_jobs(node_count: int) -> Iterator[tuple[dict[str, Any], dict[str, Any
         yield manifests.job, manifests.secret
 
 
+def write_worker_jobs(directory: Path, node_count: int) -> Path:
+    """`worker_jobs` as the JSON lines file `python -m sim.kubeapi --seed-jobs` reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    seed = directory / "workers.jsonl"
+    seed.write_text("".join(json.dumps(pair) + "\n" for pair in worker_jobs(node_count)))
+    return seed
+
+
 @asynccontextmanager
 async def open_kube_standin_process(
     directory: Path, node_count: int, pods_per_node: int, bookmark_s: float = BOOKMARK_S
@@ -322,9 +330,7 @@ async def open_kube_standin_process(
     own process; yields its kubeconfig, stops it on exit (it also exits when its stdin closes)."""
     command = [sys.executable, "-m", "sim.kubeapi", str(directory)]
     command += ["--nodes", str(node_count), "--pods-per-node", str(pods_per_node)]
-    directory.mkdir(parents=True, exist_ok=True)
-    seed = directory / "workers.jsonl"
-    seed.write_text("".join(json.dumps(pair) + "\n" for pair in worker_jobs(node_count)))
+    seed = await trio.to_thread.run_sync(write_worker_jobs, directory, node_count)
     command += ["--seed-jobs", str(seed), "--bookmark-interval-s", str(bookmark_s)]
     server = await trio.lowlevel.open_process(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE

@@ -39,7 +39,7 @@ from sim.configs import control_config, make_pki
 from sim.controlplane import run_controlplane
 from sim.workers import agent_config
 from wire.metrics import render
-from workerapi.models import CardInfo, ContainerSpec, ContainerState
+from workerapi.models import CardInfo, CardState, ContainerSpec, ContainerState
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import DescribeNode
@@ -151,8 +151,12 @@ def test_each_part_becomes_its_samples_and_unknown_readings_are_left_out() -> No
         CardSample(standin_device(2).uuid, 2, "NVIDIA A100-SXM4-80GB", None),
     )
     claim = (
-        CardInfo(standin_device(0).uuid, 0, "NVIDIA A100-SXM4-80GB", 80 << 30, "serving", "ok"),
-        CardInfo(standin_device(1).uuid, 1, "NVIDIA A100-SXM4-80GB", 80 << 30, "refused", "x"),
+        CardInfo(
+            standin_device(0).uuid, 0, "NVIDIA A100-SXM4-80GB", 80 << 30, CardState.SERVING, "ok"
+        ),
+        CardInfo(
+            standin_device(1).uuid, 1, "NVIDIA A100-SXM4-80GB", 80 << 30, CardState.REFUSED, "x"
+        ),
     )
     view = AgentView(
         worker="w-7",

@@ -26,7 +26,7 @@ import trio.testing
 
 from agent.daemon.routes import WorkerState, build_router
 from agent.daemon.run import idle_for, run_agent
-from agent.gpus.claim import Card, CardState, Claim, GpuConfig
+from agent.gpus.claim import Card, Claim, GpuConfig
 from agent.gpus.edits import discover_node_files
 from agent.gpus.ledger import CardLedger
 from agent.runtime.config import ContainerConfig
@@ -49,6 +49,7 @@ from wire.service import Service, bearer_auth
 from workerapi.client import WorkerClient, open_worker_client
 from workerapi.exec import run_exec
 from workerapi.models import (
+    CardState,
     ContainerSpec,
     ContainerStatus,
     ExecRequest,

@@ -29,14 +29,14 @@ import pytest
 import trio
 
 from agent.gpus.allocator import Allocation, choose_cards
-from agent.gpus.claim import CardState, Claim, GpuConfig, claim_cards_blocking
+from agent.gpus.claim import Claim, GpuConfig, claim_cards_blocking
 from agent.gpus.edits import discover_node_files
 from agent.gpus.ledger import CardLedger
 from agent.runtime.config import ContainerConfig
 from agent.runtime.manager import open_container_manager
 from agent.runtime.records import Gpus
 from nvml import Link, open_nvml
-from workerapi.models import ContainerSpec
+from workerapi.models import CardState, ContainerSpec
 
 if TYPE_CHECKING:
     from tests.registry_fixtures import SharedRegistry

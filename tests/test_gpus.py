@@ -12,7 +12,6 @@ import pytest
 from agent.gpus.allocator import Allocation, Refusal, choose_cards
 from agent.gpus.claim import (
     Card,
-    CardState,
     Claim,
     GpuConfig,
     GpuSetupError,
@@ -31,6 +30,7 @@ from nvml.standin import (
     nvlinked_node,
     standin_device,
 )
+from workerapi.models import CardState
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import DescribeNode, MakeDevDir

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.gpus.claim import CardState, GpuConfig, decide_claim, read_assignment
+from agent.gpus.claim import GpuConfig, decide_claim, read_assignment
 from agent.gpus.podresources import (
     ContainerDevices,
     ContainerResources,
@@ -29,6 +29,7 @@ from agent.gpus.podresources import (
 )
 from nvml import open_nvml
 from nvml.standin import eight_card_node, standin_device
+from workerapi.models import CardState
 
 if TYPE_CHECKING:
     from tests.nvml_fixtures import DescribeNode

@@ -17,12 +17,15 @@ from control.models import TaskRequest, TaskState
 from control.tasks.dispatch import container_spec
 from control.tasks.store import TaskRecord, TaskSpec
 from control.tasks.store import validate_spec as validate_task
+from control.workers.registry import open_worker_registry
 from wire.errors import ApiError, ErrorCode, dumps, loads, structure, unstructure
 from workerapi.models import (
+    CardState,
     ContainerList,
     ContainerSpec,
     ContainerState,
     ContainerStatus,
+    Registration,
     Resources,
     VolumeSpec,
 )
@@ -249,3 +252,26 @@ def test_a_state_that_is_not_a_word_is_still_refused_naming_the_field() -> None:
 def test_a_worker_reports_its_own_states_as_members() -> None:
     status = ContainerStatus(id="c", image="busybox", state=ContainerState.FAILED, created_at=1)
     assert loads(dumps(status), ContainerStatus).state is ContainerState.FAILED
+
+
+async def test_a_card_state_a_newer_worker_adds_is_read_and_not_placed_on() -> None:
+    # A newer worker marks one of its two cards with a word this controlplane does not know:
+    # its registration is still read, and only the serving card is counted for placement.
+    card = {"index": 0, "model": "NVIDIA H100", "memoryTotalBytes": 80 << 30, "reason": "ok"}
+    body = {
+        "workerId": "w1",
+        "version": "9.9.9",
+        "mode": "tunnel",
+        "cards": [
+            {**card, "uuid": "GPU-a", "state": "serving"},
+            {**card, "uuid": "GPU-b", "index": 1, "state": "quarantined", "reason": "XID 79"},
+        ],
+    }
+    registration = loads(json.dumps(body).encode(), Registration)
+    serving, other = registration.cards
+    assert serving.state is CardState.SERVING
+    assert other.state not in set(CardState) and f"{other.state}" == "quarantined"
+    async with open_worker_registry({"w1": "token"}) as registry:
+        await registry.register(registration)
+        entry = registry.entry("w1")
+        assert entry is not None and entry.cards == 1 and entry.card_ids == ("GPU-a",)

@@ -29,7 +29,7 @@ class CardInfo:
     index: int
     model: str
     memory_total_bytes: int
-    state: str
+    state: CardState
     reason: str
 
 
@@ -185,15 +185,37 @@ class PullStatus:
     total_bytes: int
 
 
-class ContainerState(enum.StrEnum):
+class OpenState(enum.StrEnum):
+    """A state word on the wire that a newer program may add to: a word this program does not
+    know is read, not refused. It becomes a stand-in that keeps the word (shown and sent on as
+    it came) and is none of the members, so each reader decides what an unknown state means
+    and one new word never makes a whole list unreadable."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> OpenState | None:
+        if not isinstance(value, str):
+            return None
+        unknown = str.__new__(cls, value)
+        unknown._name_ = "UNKNOWN"
+        unknown._value_ = value
+        return unknown
+
+
+class CardState(OpenState):
+    """Whether a card of the worker's serves containers (`CardInfo.state`). A controlplane
+    places only on `SERVING` cards: an unknown word (a state a newer worker added) is a card
+    that does not serve."""
+
+    SERVING = "serving"
+    REFUSED = "refused"
+
+
+class ContainerState(OpenState):
     """Where a container is in its life: what `ContainerStatus.state` says on the wire (its
     lowercase word) and the worker's on-disk record keeps.
 
-    A word this program does not know (a state a newer worker added) is read, not refused: it
-    becomes a stand-in that keeps the word (shown and sent on as it came) and is none of the
-    members below, so a controlplane treats that container as neither being made nor ended:
-    it waits for the container's end as for a running one and, told to remove it, stops it
-    first. One new state thus never makes a whole container list unreadable.
+    An unknown word (`OpenState`) is a container neither being made nor ended: a controlplane
+    waits for its end as for a running one and, told to remove it, stops it first.
     """
 
     PULLING = "pulling"
@@ -202,15 +224,6 @@ class ContainerState(enum.StrEnum):
     STOPPING = "stopping"
     EXITED = "exited"
     FAILED = "failed"
-
-    @classmethod
-    def _missing_(cls, value: object) -> ContainerState | None:
-        if not isinstance(value, str):
-            return None
-        unknown = str.__new__(cls, value)
-        unknown._name_ = "UNKNOWN"
-        unknown._value_ = value
-        return unknown
 
     @property
     def finished(self) -> bool:

@@ -47,14 +47,13 @@ from prometheus_client.core import (
 )
 
 from agent.daemon.config import MetricsConfig
-from agent.gpus.claim import CardState
 from agent.runtime.manager import ContainerManager
 from agent.store.objects import ObjectStore, StoreStatistics
 from agent.volumes.supervisor import Volumes
 from nvml import Device, Nvml, NvmlError, Readings, XidEvent, XidListener, open_nvml
 from wire.metrics import serve_metrics
 from workerapi import __version__
-from workerapi.models import CardInfo, ContainerState
+from workerapi.models import CardInfo, CardState, ContainerState
 
 log = logging.getLogger("levers9.agent")
 
@@ -206,7 +205,7 @@ def _card_families(view: AgentView) -> list[Metric]:
         )
         given = {info.uuid: info for info in view.claim}
         for info in view.claim:
-            serves = 1 if info.state == CardState.SERVING.value else 0
+            serves = 1 if info.state is CardState.SERVING else 0
             claimed.add_metric([info.uuid, str(info.index), info.model], serves)
         for sample in view.cards:
             if sample.uuid not in given:  # on the node, but not given to this worker

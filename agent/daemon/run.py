@@ -245,7 +245,7 @@ async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> Claim | 
             index=card.index,
             model=card.model,
             memory_total_bytes=card.memory_total_bytes,
-            state=card.state.value,
+            state=card.state,
             reason=card.reason,
         )
         for card in claim.cards

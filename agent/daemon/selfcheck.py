@@ -51,7 +51,7 @@ from agent.daemon.config import (
 )
 from agent.daemon.register import TUNNEL_FAILURES, failure_reason, open_controlplane_tls
 from agent.daemon.tunnel import upgrade_to_tunnel
-from agent.gpus.claim import CardState, Claim, GpuConfig, decide_claim, read_assignment
+from agent.gpus.claim import Claim, GpuConfig, decide_claim, read_assignment
 from agent.gpus.edits import CONTROL_DEVICES, NodeFiles, discover_node_files
 from agent.runtime.config import ContainerConfig
 from agent.volumes.rclone import SEARCH_PATH, TESTED_VERSION, find_rclone, parse_rclone_version
@@ -59,6 +59,7 @@ from nvml import NvmlUnavailableError, Snapshot, open_nvml
 from wire.client import ApiClient, open_api_client
 from wire.errors import ApiError, exception_leaves
 from wire.wsstream import ConnectionRejected
+from workerapi.models import CardState
 
 
 class Status(enum.Enum):

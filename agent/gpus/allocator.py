@@ -8,8 +8,9 @@ from collections.abc import Collection, Sequence
 
 import attrs
 
-from agent.gpus.claim import Card, CardState
+from agent.gpus.claim import Card
 from nvml import Link, Topology
+from workerapi.models import CardState
 
 
 @attrs.frozen

@@ -4,7 +4,6 @@ PodResources answer) checked with NVML, decided by a pure function (`decide_clai
 
 from __future__ import annotations
 
-import enum
 import os
 import re
 from collections.abc import Collection, Mapping, Sequence
@@ -21,6 +20,7 @@ from agent.gpus.podresources import (
 )
 from nvml import Snapshot, Topology, open_nvml
 from nvml.model import DeviceState
+from workerapi.models import CardState
 
 
 @attrs.frozen
@@ -183,11 +183,6 @@ def read_assignment(config: GpuConfig, environ: Mapping[str, str]) -> Assignment
                     "NVIDIA_VISIBLE_DEVICES"
                 )
     return parse_visible_devices(environ.get("NVIDIA_VISIBLE_DEVICES"), notes=notes)
-
-
-class CardState(enum.Enum):
-    SERVING = "serving"
-    REFUSED = "refused"
 
 
 @attrs.frozen

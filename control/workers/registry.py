@@ -36,7 +36,7 @@ from wire.connection import Http2Connection, KeepaliveConfig
 from wire.errors import ApiError, ErrorCode
 from wire.http2 import Http2Settings
 from workerapi.client import WorkerClient
-from workerapi.models import CardInfo, Registration, WorkerInfo, WorkerSummary
+from workerapi.models import CardInfo, CardState, Registration, WorkerInfo, WorkerSummary
 
 log = logging.getLogger("levers9.registry")
 
@@ -280,7 +280,7 @@ class WorkerRegistry:
         entry.address = registration.address
         entry.fingerprint = registration.fingerprint
         entry.node = registration.node
-        serving = tuple(c.uuid for c in registration.cards if c.state == "serving")
+        serving = tuple(c.uuid for c in registration.cards if c.state is CardState.SERVING)
         entry.cards = len(serving)
         entry.card_ids = serving
         entry.card_model = _model_of(registration.cards)
@@ -358,7 +358,7 @@ class WorkerRegistry:
             return
         entry.version = info.version
         entry.node = info.node
-        entry.card_ids = tuple(c.uuid for c in info.cards if c.state == "serving")
+        entry.card_ids = tuple(c.uuid for c in info.cards if c.state is CardState.SERVING)
         entry.cards = len(entry.card_ids)
         entry.card_model = _model_of(info.cards)
 
@@ -659,7 +659,7 @@ def _rtt_ms(entry: WorkerEntry) -> float | None:
 
 def _model_of(cards: Sequence[CardInfo]) -> str | None:
     """The model of a worker's serving cards, as its first one names it."""
-    return next((c.model for c in cards if c.state == "serving"), None)
+    return next((c.model for c in cards if c.state is CardState.SERVING), None)
 
 
 def _registered_at(row: WorkerRow | None) -> float | None:

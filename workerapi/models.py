@@ -208,6 +208,13 @@ class CardState(OpenState):
 
     SERVING = "serving"
     REFUSED = "refused"
+    """Not taken at the claim (a fault, or another's process on it); the reason says which."""
+    UNHEALTHY = "unhealthy"
+    """Quarantined while the worker ran (a critical XID, off the bus, uncorrectable ECC errors
+    that grew, NVML's "GPU is lost"): back only once the worker is replaced and the next
+    worker's claim checks it again."""
+    OCCUPIED = "occupied"
+    """A process outside levers9 uses it: out of placement until that process is gone."""
 
 
 class ContainerState(OpenState):

@@ -41,7 +41,7 @@ from workerapi.models import WorkerSummary
 MODES = ("direct", "tunnel")
 CACHES = ("nodes", "pods", "jobs", "secrets")
 """The resources a pool caches (`control.kube.caches`): the `cache` label's values."""
-CARD_USES = ("total", "ours", "busy", "idle", "others", "free")
+CARD_USES = ("total", "ours", "busy", "idle", "unhealthy", "occupied", "refused", "others", "free")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PLACEMENT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
 RTT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -51,7 +51,7 @@ RTT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 class PoolFigures:
     machines: int
     cards: Mapping[str, int]
-    """By use: total, ours (busy and idle), others, free."""
+    """By use: total, ours (busy, idle, unhealthy, occupied, refused), others, free."""
     refused: int = 0
     """Machines whose worker pods the cluster refuses (Pod Security, GKE Autopilot)."""
 
@@ -154,7 +154,9 @@ class _States(Collector):
         )
         cards = GaugeMetricFamily(
             "levers9_pool_cards",
-            "Cards on a pool's machines: all, held by our workers, by other pods, free.",
+            "Cards on a pool's machines: all, held by our workers (busy, idle, or out of "
+            "placement: unhealthy, occupied by a process outside levers9, refused at the "
+            "worker's start), by other pods, free.",
             labels=["pool", "use"],
         )
         refused = GaugeMetricFamily(

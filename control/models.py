@@ -188,7 +188,9 @@ class PoolList:
 @attrs.frozen
 class CardCounts:
     """A machine's cards: all of them, those our worker holds, those other pods hold, and
-    those free; ours are `busy` (held by tasks placed on our worker) or `idle`."""
+    those free; ours are `busy` (held by tasks placed on our worker), `idle`, or out of
+    placement as our worker reports them: `unhealthy` (quarantined: an XID, off the bus, ECC),
+    `occupied` (a process outside levers9 uses it) or `refused` at the worker's start."""
 
     total: int
     ours: int
@@ -196,6 +198,20 @@ class CardCounts:
     free: int
     busy: int = 0
     idle: int = 0
+    unhealthy: int = 0
+    occupied: int = 0
+    refused: int = 0
+
+
+@attrs.frozen
+class CardProblem:
+    """One of our worker's cards that takes no task, and why (the worker's own words)."""
+
+    index: int
+    uuid: str
+    state: str
+    """unhealthy, occupied, refused (or a newer worker's word)."""
+    reason: str
 
 
 @attrs.frozen
@@ -224,6 +240,8 @@ class MachineView:
     refused: str | None = None
     """Why the cluster refuses the pods of this node's worker Job (Pod Security, GKE
     Autopilot: Kubernetes' own words) and what to run; None once a pod is made."""
+    card_problems: tuple[CardProblem, ...] = ()
+    """Our worker's cards there that take no task (`cards.unhealthy`, `occupied`, `refused`)."""
 
 
 @attrs.frozen

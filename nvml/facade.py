@@ -326,19 +326,20 @@ class Nvml:
         left out (`XidListener.listening` names the cards heard)."""
         event_set = self._call("nvmlEventSetCreate")
         try:
-            listening: dict[str, int] = {}
+            listening: dict[int, str] = {}
             for index in range(self.device_count()):
-                uuid = self._register_xids(index, event_set)
-                if uuid is not None:
-                    listening[uuid] = index
+                registered = self._register_xids(index, event_set)
+                if registered is not None:
+                    handle, uuid = registered
+                    listening[_handle_address(handle)] = uuid
             yield XidListener(self, event_set, listening)
         finally:
             with contextlib.suppress(NvmlError):
                 self._call("nvmlEventSetFree", event_set)
 
-    def _register_xids(self, index: int, event_set: Any) -> str | None:
-        """Registers card `index` for critical XIDs in `event_set`; its UUID, or None where it
-        does not offer them, refuses, or does not answer."""
+    def _register_xids(self, index: int, event_set: Any) -> tuple[Any, str] | None:
+        """Registers card `index` for critical XIDs in `event_set`; its handle and UUID, or None
+        where it does not offer them, refuses, or does not answer."""
         try:
             handle = self._handle(index)
             supported = self._optional(
@@ -352,7 +353,7 @@ class Nvml:
             raise
         except NvmlError:
             return None
-        return uuid
+        return handle, uuid
 
     def _xids(self, handle: Any, wait_ms: int) -> tuple[int, ...] | None:
         supported = self._optional(
@@ -479,10 +480,13 @@ class XidListener:
     Its methods block.
     """
 
-    def __init__(self, nvml: Nvml, event_set: Any, listening: Mapping[str, int]) -> None:
+    def __init__(self, nvml: Nvml, event_set: Any, listening: Mapping[int, str]) -> None:
         self._nvml = nvml
         self._event_set = event_set
-        self.listening = frozenset(listening)
+        # The UUIDs by handle, learnt at registration: a card that reports a critical XID often
+        # stops answering (XID 79: fallen off the bus), its UUID included.
+        self._uuids = dict(listening)
+        self.listening = frozenset(listening.values())
         """The UUIDs of the cards whose XIDs this set hears."""
 
     def wait(self, timeout_ms: int) -> tuple[XidEvent, ...]:
@@ -499,9 +503,16 @@ class XidListener:
                     break
                 raise
             if int(event.eventType) & _EVENT_XID_CRITICAL:
-                uuid = str(self._nvml._call("nvmlDeviceGetUUID", event.device))
+                uuid = self._uuids.get(_handle_address(event.device))
+                if uuid is None:  # not a card registered here: ask NVML which it is
+                    uuid = str(self._nvml._call("nvmlDeviceGetUUID", event.device))
                 events.append(XidEvent(uuid=uuid, xid=int(event.eventData)))
         return tuple(events)
+
+
+def _handle_address(handle: Any) -> int:
+    """Where an NVML device handle points: the same card's handles compare equal by it."""
+    return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
 
 
 def _text(value: Any) -> str:

@@ -62,7 +62,8 @@ def standin_loaded(standin_library: Path) -> Path:
 def describe_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, standin_loaded: Path
 ) -> DescribeNode:
-    """Makes NVML in this process describe the given node from its next session on."""
+    """Makes NVML in this process describe the given node from its next session on; returns the
+    description's path, which `write_description` rewrites to change an open session."""
 
     def describe(node: StandinNode | Mapping[str, Any]) -> Path:
         path = write_node(tmp_path / "node.json", node)

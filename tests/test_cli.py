@@ -73,7 +73,7 @@ from wire.h2websocket import H2WebSocket, WebSocketClosed
 from wire.service import JsonResponse, Request, Router, Service, StreamResponse, bearer_auth
 from wire.tls import TLSStream
 from workerapi.exec import parse_request, unframe
-from workerapi.models import ExecExit, ExecRequest, LogLine, PullStatus
+from workerapi.models import CardInfo, CardState, ExecExit, ExecRequest, LogLine, PullStatus
 
 TOKEN = "cli-test-token-0123456789"
 DIGEST = "sha256:" + "ab" * 32
@@ -725,8 +725,16 @@ def with_busy(machine: Machine, busy: int = 0) -> dict[str, Any]:
     """A machine's JSON as the pools' pass makes it, with our cards split into busy and idle,
     and why the cluster refuses its worker's pods (`refused`, null when it does not)."""
     shape = machine.to_json()
-    shape["cards"] = {**shape["cards"], "busy": busy, "idle": machine.cards.ours - busy}
+    shape["cards"] = {
+        **shape["cards"],
+        "busy": busy,
+        "idle": machine.cards.ours - busy,
+        "unhealthy": 0,
+        "occupied": 0,
+        "refused": 0,
+    }
     shape["refused"] = None
+    shape["cardProblems"] = []
     return shape
 
 
@@ -771,14 +779,67 @@ async def test_machine_list(fake: FakeControlplane, capsys: pytest.CaptureFixtur
     assert await levers9(fake, "machine", "list") == 0
     out, err = capsys.readouterr()
     assert out.splitlines() == [
-        "POOL  NODE    GPU                CARDS T/BUSY/IDLE/OTHERS/FREE  "
+        "POOL  NODE    GPU                CARDS T/BUSY/IDLE/BAD/OTHERS/FREE  "
         "CPU FREE  MEM FREE  WORKER  AGE",
-        "gpu   node-7  nvidia-tesla-a100  4/0/0/1/3                      "
+        "gpu   node-7  nvidia-tesla-a100  4/0/0/0/1/3                        "
         "6000m     28.0Gi    ready   93s",
-        "gpu   node-8  -                  2/1/1/0/0                      "
+        "gpu   node-8  -                  2/1/1/0/0/0                        "
         "1500m     1.5Gi     -       -",
     ]
     assert err == "pool tpu: last pass failed: cannot list nodes: 403 Forbidden\n"
+
+
+SICK = CardInfo(
+    uuid="GPU-2222",
+    index=2,
+    model="A100",
+    memory_total_bytes=40 << 30,
+    state=CardState.UNHEALTHY,
+    reason="XID 79 at 12:03:01: the GPU has fallen off the bus",
+)
+SQUATTED = CardInfo(
+    uuid="GPU-1111",
+    index=1,
+    model="A100",
+    memory_total_bytes=40 << 30,
+    state=CardState.OCCUPIED,
+    reason="used by a process outside levers9: pid 4242, 1024 MiB",
+)
+
+
+async def test_machine_list_names_the_cards_that_take_no_task(
+    fake: FakeControlplane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    machine = attrs.evolve(MACHINES[0], cards=Cards(total=4, ours=4, others=0, free=0))
+    status = attrs.evolve(PASSES[0], machines=(machine,))
+    fake.machines = machine_list(
+        [status], busy={"node-7": 1}, problems={"node-7": (SQUATTED, SICK)}
+    )
+    assert await levers9(fake, "machine", "list", "--json") == 0
+    (shown,) = json.loads(capsys.readouterr().out)
+    assert shown["cards"] == {
+        "total": 4, "ours": 4, "others": 0, "free": 0, "busy": 1, "idle": 1,
+        "unhealthy": 1, "occupied": 1, "refused": 0,
+    }  # fmt: skip
+    assert [(p["index"], p["state"]) for p in shown["cardProblems"]] == [
+        (1, "occupied"),
+        (2, "unhealthy"),
+    ]
+    assert await levers9(fake, "machine", "list") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[3] == "4/1/1/2/0/0"
+    assert out[2:] == [
+        "pool gpu: node node-7: card 1 (GPU-1111): used by a process outside levers9: "
+        "pid 4242, 1024 MiB",
+        "pool gpu: node node-7: card 2 (GPU-2222): unhealthy: XID 79 at 12:03:01: the GPU has "
+        "fallen off the bus",
+    ]
+
+
+def test_a_machine_without_our_worker_shows_no_card_problems() -> None:
+    status = attrs.evolve(PASSES[0], machines=(MACHINES[1],))
+    (view,) = machine_list([status], problems={"node-8": (SICK,)}).machines
+    assert view.card_problems == () and view.cards.unhealthy == 0
 
 
 # -- levers9 exec ----------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ from sim.cluster import Cluster, free_port, open_node_cluster
 from sim.configs import API_TOKEN
 from sim.kubeapi.store import KubeStandin
 from sim.pools import gpu_node
+from tests.test_card_health_control import SQUATTER, XID_79
 from tests.test_pool_reconcile import serve_pool
 from tests.test_reconcile_faults import JOBS, refuse_creates
+from workerapi.models import CardInfo, CardState, Registration
 
 if TYPE_CHECKING:  # a plugin pytest loads itself: importing it first stops its asserts
     # from being rewritten
@@ -305,9 +307,11 @@ async def test_metrics_need_an_operator_token_on_the_api_port(cluster: Cluster) 
     assert response.status == 403, body
 
 
-def machine_row(url: str, chromium: str, cert_file: Path, node: str) -> str:
+def machine_row(
+    url: str, chromium: str, cert_file: Path, node: str, shown: str = ".node-error"
+) -> str:
     """The operator's Machines page, signed in with the operator token: `node`'s row once it
-    shows a failed write."""
+    shows `shown` (a failed write, by default)."""
     from playwright.sync_api import expect, sync_playwright
 
     expect.set_options(timeout=20_000)
@@ -324,7 +328,7 @@ def machine_row(url: str, chromium: str, cert_file: Path, node: str) -> str:
                 page.click("button[type=submit]")
             page.goto(f"{url}/ui/#/machines")
             row = page.locator(f"tr[data-node='{node}']")
-            expect(row.locator(".node-error")).to_be_visible()
+            expect(row.locator(shown).first).to_be_visible()
             return row.inner_text()
         finally:
             browser.close()
@@ -344,3 +348,38 @@ async def test_a_nodes_refused_write_shows_on_its_machine(
     async with open_browser_network(url) as chromium:
         row = await trio.to_thread.run_sync(machine_row, url, chromium, pki.cert_file, "node-q")
     assert "Last write failed" in row and "exceeded quota: gpu-quota" in row
+
+
+async def test_an_unhealthy_card_shows_on_its_machine_with_its_reason(
+    tmp_path: Path, kube: KubeStandin, nursery: trio.Nursery
+) -> None:
+    """A worker reporting one card off the bus and one used by another's process: the
+    operator sees both cards named on that node's row, with the worker's words."""
+    kube.on_job_created(lambda server, job: server.run_job_pod(job))
+    kube.add_node(gpu_node("node-h"))
+    control, reconciling, pki = await serve_pool(kube, tmp_path, nursery)
+    with trio.fail_after(30):
+        while not any(m.worker is not None for m in reconciling.status.machines):
+            await reconciling.passes.park()
+    (job,) = kube.jobs()
+    cards = tuple(
+        CardInfo(f"GPU-{i}", i, "A100", 40 << 30, CardState.SERVING, "") for i in range(4)
+    )
+    sick = CardInfo("GPU-2", 2, "A100", 40 << 30, CardState.UNHEALTHY, XID_79)
+    squatted = CardInfo("GPU-1", 1, "A100", 40 << 30, CardState.OCCUPIED, SQUATTER)
+    await control.registry.register(
+        Registration(
+            worker_id=job["metadata"]["name"],
+            version="1",
+            mode="tunnel",
+            node="node-h",
+            cards=(cards[0], squatted, sick, cards[3]),
+        )
+    )
+    url = f"https://127.0.0.1:{control.port}"
+    async with open_browser_network(url) as chromium:
+        row = await trio.to_thread.run_sync(
+            machine_row, url, chromium, pki.cert_file, "node-h", ".card-problem"
+        )
+    assert f"card 2 (GPU-2): unhealthy: {XID_79}" in row
+    assert f"card 1 (GPU-1): {SQUATTER}" in row

@@ -50,6 +50,7 @@ from control.tasks.store import (
     TaskSpec,
     TaskStore,
     open_task_store,
+    validate_spec,
 )
 from control.workers.registry import WorkerEntry, open_worker_registry
 from control.workspaces import Workspaces
@@ -153,9 +154,10 @@ async def test_a_tasks_state_goes_on_the_wire_as_the_word_it_always_was(tmp_path
 
 def test_a_snapshot_must_be_a_digest() -> None:
     spec = spec_of(TaskRequest(image="busybox", snapshot="sha256:" + "a" * 64), ())
+    validate_spec("team", spec)
     assert spec.snapshot == "sha256:" + "a" * 64
     with pytest.raises(ApiError) as info:
-        spec_of(TaskRequest(image="busybox", snapshot="latest"), ())
+        validate_spec("team", spec_of(TaskRequest(image="busybox", snapshot="latest"), ()))
     assert info.value.field == "snapshot"
 
 

@@ -304,10 +304,14 @@ async def test_machine_list_through_the_controlplane_and_the_cli(
         "free": 3,
         "busy": 0,
         "idle": 0,
+        "unhealthy": 0,
+        "occupied": 0,
+        "refused": 0,
     }
+    assert machine["cardProblems"] == []
     assert await trio.to_thread.run_sync(cli_main, args) == 0
     table = capsys.readouterr().out
-    assert "node-7" in table and "4/0/0/1/3" in table
+    assert "node-7" in table and "4/0/0/0/1/3" in table
 
 
 async def poll_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:

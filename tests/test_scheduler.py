@@ -460,6 +460,18 @@ def test_a_task_larger_than_every_machine_names_the_largest_and_what_it_waits_fo
     assert beyond_every_machine(9, []) is None  # no machine known here: nothing to say
 
 
+def test_a_task_that_fits_only_with_unhealthy_cards_is_not_promised_them() -> None:
+    machines = [MachineSize("a", "n-1", 4, worker="w1", broken=1), MachineSize("a", "n-2", 2)]
+    assert beyond_every_machine(4, machines) == (
+        "waiting: 4 cards asked; the largest machine has 4 cards (node n-1, pool a), but 1 of "
+        "them are unhealthy (`levers9 machine list` names them) and take no task until its "
+        "worker is replaced; a task never spans machines"
+    )
+    assert beyond_every_machine(3, machines) is None
+    healthy = [*machines, MachineSize("b", "n-3", 4)]
+    assert beyond_every_machine(4, healthy) is None  # another machine has 4 sound cards
+
+
 def machine(id: str, cards: int, free: int, worker: str | None = None) -> MachineSize:
     """The machine of `worker(id)`: its node, with `free` cards no pod holds."""
     return MachineSize(

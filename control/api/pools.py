@@ -20,6 +20,7 @@ from control.kube.planner import Machine
 from control.kube.runner import PoolRunner
 from control.models import (
     CardCounts,
+    CardProblem,
     MachineList,
     MachineView,
     MachineWorker,
@@ -32,6 +33,7 @@ from control.models import (
 from control.tasks.dispatch import Dispatcher
 from wire.errors import ApiError, ErrorCode, decode_json
 from wire.service import Request, Router
+from workerapi.models import CardInfo, CardState
 
 log = logging.getLogger("levers9.control")
 
@@ -52,7 +54,11 @@ class PoolRoutes:
 
     async def list_machines(self, request: Request) -> MachineList:
         require_user(request)
-        return machine_list([r.status for r in self.runner.pools], self.dispatcher.busy_cards())
+        return machine_list(
+            [r.status for r in self.runner.pools],
+            self.dispatcher.busy_cards(),
+            self.dispatcher.registry.card_problems(),
+        )
 
     async def list_pools(self, request: Request) -> PoolList:
         require_api(request)
@@ -122,14 +128,18 @@ class PoolRoutes:
 
 
 def machine_list(
-    statuses: Sequence[PoolStatus], busy: Mapping[str, int] | None = None
+    statuses: Sequence[PoolStatus],
+    busy: Mapping[str, int] | None = None,
+    problems: Mapping[str, Sequence[CardInfo]] | None = None,
 ) -> MachineList:
     """`GET /v1/machines` from what each pool's last pass saw, our cards split by `busy`
-    (node → cards our tasks hold there). Pure."""
+    (node → cards our tasks hold there) and `problems` (node → our worker's cards there that
+    take no task, `WorkerRegistry.card_problems`). Pure."""
     busy = busy or {}
+    problems = problems or {}
     return MachineList(
         machines=tuple(
-            _machine_view(m, busy, status.refused.get(m.node))
+            _machine_view(m, busy, status.refused.get(m.node), problems.get(m.node, ()))
             for status in statuses
             for m in status.machines
         ),
@@ -149,11 +159,16 @@ def machine_list(
 
 
 def _machine_view(
-    machine: Machine, busy: Mapping[str, int], refused: str | None = None
+    machine: Machine,
+    busy: Mapping[str, int],
+    refused: str | None = None,
+    problems: Sequence[CardInfo] = (),
 ) -> MachineView:
     cards = machine.cards
     worker = machine.worker
     held = min(busy.get(machine.node, 0), cards.ours)
+    bad = problems[: max(cards.ours - held, 0)] if worker is not None else ()
+    states = [c.state for c in bad]
     return MachineView(
         pool=machine.pool,
         node=machine.node,
@@ -164,7 +179,10 @@ def _machine_view(
             others=cards.others,
             free=cards.free,
             busy=held,
-            idle=cards.ours - held,
+            idle=cards.ours - held - len(bad),
+            unhealthy=states.count(CardState.UNHEALTHY),
+            occupied=states.count(CardState.OCCUPIED),
+            refused=len(bad) - states.count(CardState.UNHEALTHY) - states.count(CardState.OCCUPIED),
         ),
         cpu_free_millis=machine.cpu_free_millis,
         memory_free_bytes=machine.memory_free_bytes,
@@ -173,6 +191,10 @@ def _machine_view(
         else MachineWorker(state=WorkerState(worker.state), age_seconds=worker.age_seconds),
         error=machine.error,
         refused=refused,
+        card_problems=tuple(
+            CardProblem(index=c.index, uuid=c.uuid, state=str(c.state.value), reason=c.reason)
+            for c in bad
+        ),
     )
 
 

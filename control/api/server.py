@@ -304,7 +304,11 @@ class Controlplane:
         )
         self.metrics.refresh(
             counts,
-            machine_list([r.status for r in self.runner.pools], self.dispatcher.busy_cards()),
+            machine_list(
+                [r.status for r in self.runner.pools],
+                self.dispatcher.busy_cards(),
+                self.registry.card_problems(),
+            ),
             self.registry.list(),
             tunnels,
         )

@@ -327,7 +327,7 @@ MACHINE_HEADERS = (
     "POOL",
     "NODE",
     "GPU",
-    "CARDS T/BUSY/IDLE/OTHERS/FREE",
+    "CARDS T/BUSY/IDLE/BAD/OTHERS/FREE",
     "CPU FREE",
     "MEM FREE",
     "WORKER",
@@ -339,16 +339,32 @@ def machine_row(m: MachineView) -> list[str]:
     """One row of `levers9 machine list`."""
     cards = m.cards
     worker = m.worker
+    bad = cards.unhealthy + cards.occupied + cards.refused
     return [
         m.pool,
         m.node,
         m.gpu_model or "-",
-        f"{cards.total}/{cards.busy}/{cards.idle}/{cards.others}/{cards.free}",
+        f"{cards.total}/{cards.busy}/{cards.idle}/{bad}/{cards.others}/{cards.free}",
         f"{m.cpu_free_millis}m",
         format_gib(m.memory_free_bytes),
         worker.state.value if worker else "-",
         f"{int(worker.age_seconds)}s" if worker else "-",
     ]
+
+
+def card_problem_lines(m: MachineView) -> list[str]:
+    """`levers9 machine list`'s line under the table for each card counted BAD: which card,
+    what is wrong with it (the worker's words)."""
+    return [
+        f"pool {m.pool}: node {m.node}: card {p.index} ({p.uuid}): {_problem(p.state, p.reason)}"
+        for p in m.card_problems
+    ]
+
+
+def _problem(state: str, reason: str) -> str:
+    if state == "occupied" or reason.startswith(state):
+        return reason  # "used by a process outside levers9: pid 4242, 1024 MiB"
+    return f"{state}: {reason}"
 
 
 POOL_HEADERS = (

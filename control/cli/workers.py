@@ -10,6 +10,7 @@ from control.cli.common import client_from_args, timed
 from control.cli.output import (
     MACHINE_HEADERS,
     WORKER_HEADERS,
+    card_problem_lines,
     machine_row,
     render_table,
     show_list,
@@ -45,6 +46,9 @@ async def machine_list(args: argparse.Namespace) -> None:
         print(json.dumps(unstructure(listing.machines), indent=2))
         return
     print(render_table(MACHINE_HEADERS, [machine_row(m) for m in listing.machines]))
+    for m in listing.machines:
+        for line in card_problem_lines(m):
+            print(line)
     for pool in listing.pools:
         if pool.error:
             print(f"pool {pool.pool}: last pass failed: {pool.error}", file=sys.stderr)

@@ -29,6 +29,7 @@ changed something or failed anew, else at debug.
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import secrets
@@ -76,6 +77,7 @@ from control.kube.podsecurity import EVENTS_SELECTOR, refused_nodes
 from control.kube.pools import PoolConfig
 from control.kube.selectors import Selector
 from control.models import WorkerState
+from control.workers.cards import CardNews, news_event
 from control.workers.registry import WorkerRegistry
 from wire.backoff import Backoff, BackoffState, next_delay, record_failure
 from wire.errors import ApiError, ErrorCode
@@ -186,6 +188,8 @@ MIN_GAP_S = 1.0
 FAILED_CAP_S = 120.0
 """The longest wait after failed passes (or `reconcileSeconds`, when that is longer)."""
 EVENT_WAIT_S = 5.0
+CARD_NEWS_MAX = 256
+"""Card transitions kept for the next pass's Events; beyond it the oldest are dropped."""
 """The longest a pass waits to record an Event (advisory: a struggling API server must not
 hold up the pass)."""
 PODS_LISTED_WAIT_S = 10.0
@@ -274,6 +278,9 @@ class PoolReconciler:
         self._events_unreadable: str | None = None
         self.retiring: dict[str, str] = {}
         """Idle workers to delete at the next pass, and why (`retire`)."""
+        self._card_news: collections.deque[CardNews] = collections.deque(maxlen=CARD_NEWS_MAX)
+        """Cards of this pool's workers that became unhealthy or occupied (or serve again),
+        told as an Event on the worker's Job at the next pass."""
 
     def retire(self, worker: str, reason: str) -> None:
         """Delete this idle worker's Job at the next pass (now), so that its node's next
@@ -305,6 +312,16 @@ class PoolReconciler:
                 self._wake()
                 return
 
+    def _cards_changed(self, news: tuple[CardNews, ...]) -> None:
+        mine = [n for n in news if self._my_job(n.worker_id) is not None]
+        if mine:
+            self._card_news.extend(mine)
+            self._wake()
+
+    def _my_job(self, name: str) -> JobFacts | None:
+        job = self.caches.jobs.items.get(f"{self.settings.namespace}/{name}")
+        return job if job is not None and job.pool == self._pool_label else None
+
     def _workers_changed(self) -> None:
         # A worker registering or connecting its tunnel turns its machine ready.
         if any(r.state is WorkerState.PENDING for r in self.records.values()):
@@ -317,6 +334,7 @@ class PoolReconciler:
             self.caches.jobs.subscribe(self._jobs_changed),
         ]
         self.registry.listeners.append(self._workers_changed)
+        self.registry.card_listeners.append(self._cards_changed)
         task_status.started()
         try:
             await self.wait_synced()
@@ -341,6 +359,7 @@ class PoolReconciler:
             for unsubscribe in undo:
                 unsubscribe()
             self.registry.listeners.remove(self._workers_changed)
+            self.registry.card_listeners.remove(self._cards_changed)
 
     async def wait_synced(self) -> None:
         """Until every cache has listed once or failed to (the first pass then reports it)."""
@@ -462,6 +481,7 @@ class PoolReconciler:
         await self._adopt_tokens(jobs)
         await self._note_finished(jobs)
         self._fold_in(jobs, now)
+        await self._tell_card_news()
         self.refused = await self._refused(jobs)
         active = {job.name for job in jobs if job.active}
         for gone in set(self.retiring) - active:
@@ -491,6 +511,21 @@ class PoolReconciler:
                 nursery.start_soon(self._apply, node, actions, now, counts, limiter)
         counts.failed = len(self.failures)
         return plan
+
+    async def _tell_card_news(self) -> None:
+        """An Event on each worker's Job for each of its cards that changed state (`kubectl
+        describe job` shows `Warning CardUnhealthy card 2 (GPU-...) on node n: XID 79...`)."""
+        while self._card_news:
+            news = self._card_news.popleft()
+            job = self._my_job(news.worker_id)
+            if job is None:
+                continue  # gone meanwhile
+            reason, message, kind = news_event(news)
+            manifest = {
+                "metadata": {"name": job.name, "namespace": self.settings.namespace, "uid": job.uid}
+            }
+            with trio.move_on_after(EVENT_WAIT_S):
+                await self.events.record(manifest, reason, message, kind)
 
     async def _refused(self, jobs: list[JobFacts]) -> dict[str, str]:
         """Nodes whose worker's pods the cluster refuses, from the Job controller's

@@ -31,6 +31,7 @@ from control.models import PoolView
 from control.tasks.scheduler import MachineSize, Retire
 from control.workers.registry import WorkerRegistry
 from wire.errors import ApiError
+from workerapi.models import CardState
 
 REMOVE_POOL_S = 60.0
 """How long a removed pool's Jobs may take to delete before its loop stops anyway."""
@@ -115,7 +116,9 @@ class PoolRunner:
         ]
 
     def machine_sizes(self) -> list[MachineSize]:
-        """Every machine the pools this replica reconciles saw last, with all its cards."""
+        """Every machine the pools this replica reconciles saw last, with all its cards and
+        those our worker there quarantined."""
+        problems = self.registry.card_problems()
         return [
             MachineSize(
                 pool=m.pool,
@@ -123,6 +126,12 @@ class PoolRunner:
                 cards=m.cards.total,
                 free=m.cards.free,
                 worker=m.worker.name if m.worker is not None else "",
+                broken=sum(
+                    c.state in (CardState.UNHEALTHY, CardState.REFUSED)
+                    for c in problems.get(m.node, ())
+                )
+                if m.worker is not None
+                else 0,
             )
             for r in self.pools
             for m in r.status.machines

@@ -166,6 +166,9 @@ class MachineSize:
     """Cards no pod holds (ours or another's)."""
     worker: str = ""
     """Our worker there (its Job's name), if any."""
+    broken: int = 0
+    """Cards our worker there quarantined (unhealthy, or refused at its start): they serve
+    again only once that worker is replaced."""
 
 
 @attrs.frozen
@@ -259,8 +262,17 @@ def beyond_every_machine(cards: int, machines: Sequence[MachineSize]) -> str | N
     if not machines or cards == 0:
         return None
     largest = min(machines, key=lambda m: (-m.cards, m.pool, m.node))
-    if cards <= largest.cards:
+    sound = min(machines, key=lambda m: (-(m.cards - m.broken), m.pool, m.node))
+    if cards <= sound.cards - sound.broken:
         return None
+    if cards <= largest.cards:
+        # Never promise cards a worker quarantined: they are back only with its next worker.
+        return (
+            f"waiting: {_cards(cards)} asked; the largest machine has {_cards(largest.cards)} "
+            f"(node {largest.node}, pool {largest.pool}), but {largest.broken} of them are "
+            f"unhealthy (`levers9 machine list` names them) and take no task until its worker "
+            f"is replaced; a task never spans machines"
+        )
     return (
         f"waiting: {_cards(cards)} asked; the largest machine has {_cards(largest.cards)} "
         f"(node {largest.node}, pool {largest.pool}), and a task never spans machines; it "

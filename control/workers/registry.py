@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from control.workers.cards import CardNews, card_news, problem_facts, problems, problems_from_facts
 from control.workers.directory import Directory, OwnerAddress, WorkerRow, token_hash
 from control.workers.forward import Peers, dial_pinned
 from wire.connection import Http2Connection, KeepaliveConfig
@@ -73,6 +74,8 @@ class WorkerEntry:
     card_ids: tuple[str, ...] = ()
     card_model: str | None = None
     """The model of its serving cards (the first one's, as reported)."""
+    problem_cards: tuple[CardInfo, ...] = ()
+    """Its cards out of placement (refused, unhealthy, occupied), as last reported."""
     connected_at: float | None = None
     """When this replica's current tunnel or direct connection to it opened."""
     cpu_millis: int = 0
@@ -149,6 +152,9 @@ class WorkerRegistry:
         self._dial_locks: dict[str, trio.Lock] = {}
         self.listeners: list[Callable[[], None]] = []
         """Called after any change a scheduler cares about (registration, tunnel, removal)."""
+        self.card_listeners: list[Callable[[tuple[CardNews, ...]], None]] = []
+        """Told once of each card that became unhealthy or occupied (or serves again), as a
+        registration or the worker's info reports it (the pools post Events on its Job)."""
 
     def _notify(self) -> None:
         self._changed.unpark_all()
@@ -280,10 +286,7 @@ class WorkerRegistry:
         entry.address = registration.address
         entry.fingerprint = registration.fingerprint
         entry.node = registration.node
-        serving = tuple(c.uuid for c in registration.cards if c.state is CardState.SERVING)
-        entry.cards = len(serving)
-        entry.card_ids = serving
-        entry.card_model = _model_of(registration.cards)
+        self._take_cards(entry, registration.cards)
         entry.cpu_millis = registration.cpu_millis or 0
         entry.memory_bytes = registration.memory_bytes or 0
         entry.runs_containers = registration.containers
@@ -358,9 +361,32 @@ class WorkerRegistry:
             return
         entry.version = info.version
         entry.node = info.node
-        entry.card_ids = tuple(c.uuid for c in info.cards if c.state is CardState.SERVING)
+        self._take_cards(entry, info.cards)
+
+    def _take_cards(self, entry: WorkerEntry, cards: Sequence[CardInfo]) -> None:
+        """The worker's cards as it reports them; a card's change of state is told once."""
+        news = card_news(entry.worker_id, entry.node, entry.problem_cards, cards)
+        entry.card_ids = tuple(c.uuid for c in cards if c.state is CardState.SERVING)
         entry.cards = len(entry.card_ids)
-        entry.card_model = _model_of(info.cards)
+        entry.card_model = _model_of(cards)
+        entry.problem_cards = problems(cards)
+        if news:
+            for listener in self.card_listeners:
+                listener(news)
+
+    def card_problems(self) -> dict[str, tuple[CardInfo, ...]]:
+        """Node → the cards out of placement of the worker there, from this replica's own
+        registrations and the directory's (another replica's)."""
+        out: dict[str, tuple[CardInfo, ...]] = {}
+        for row in self._rows.values():
+            node = (row.facts or {}).get("node")
+            found = problems_from_facts((row.facts or {}).get("problemCards"))
+            if isinstance(node, str) and found:
+                out[node] = found
+        for entry in self._entries.values():
+            if entry.node is not None and entry.registered_at is not None:
+                out[entry.node] = entry.problem_cards
+        return {node: cards for node, cards in out.items() if cards}
 
     def detach_tunnel(self, worker_id: str, client: WorkerClient) -> None:
         entry = self._entries.get(worker_id)
@@ -640,6 +666,7 @@ def _facts(entry: WorkerEntry) -> dict[str, object]:
         "cards": entry.cards,
         "cardIds": list(entry.card_ids),
         "cardModel": entry.card_model,
+        "problemCards": problem_facts(entry.problem_cards),
         "cpuMillis": entry.cpu_millis,
         "memoryBytes": entry.memory_bytes,
         "containers": entry.runs_containers,
@@ -682,6 +709,7 @@ def _refresh(entry: WorkerEntry, facts: dict[str, object]) -> bool:
     entry.card_ids = tuple(facts.get("cardIds") or ())  # type: ignore[arg-type]
     entry.cards = int(facts.get("cards") or 0)  # type: ignore[call-overload]
     entry.card_model = facts.get("cardModel")  # type: ignore[assignment]
+    entry.problem_cards = problems_from_facts(facts.get("problemCards"))
     entry.cpu_millis = int(facts.get("cpuMillis") or 0)  # type: ignore[call-overload]
     entry.memory_bytes = int(facts.get("memoryBytes") or 0)  # type: ignore[call-overload]
     entry.runs_containers = bool(facts.get("containers"))

@@ -6,8 +6,10 @@ beside this module is compiled with gcc against NVIDIA's own `nvml.h` (from the 
 `nvidia-nvml-dev`) into a library with the real soname and ABI, and pynvml loads it through its
 normal `CDLL("libnvidia-ml.so.1")`. What the library reports (cards, processes, health,
 readings such as utilisation, temperature and power, topology) comes from a JSON description
-named by the environment variable `LEVERS9_NVML_STANDIN`, which the library reads again at each
-first `nvmlInit`.
+named by the environment variable `LEVERS9_NVML_STANDIN`, which the library reads at each first
+`nvmlInit`, and again whenever the file changes while a session is open: that is how a test makes
+a card go bad under a running agent (`write_description` a changed node: new `xid_events`, a card
+made lost with `errors={"*": "GPU_IS_LOST"}`, more uncorrected ECC errors, a process that appeared).
 
 Two ways to put it under pynvml:
 - a new process with `LD_LIBRARY_PATH` naming the library's directory (`standin_environ`), the
@@ -28,6 +30,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -151,7 +154,11 @@ class StandinDevice:
     power_usage_mw: int | None = 61000
     """Milliwatts, as NVML reports them; None: the card cannot measure its power."""
     xids: tuple[int, ...] = ()
-    """Critical XIDs delivered to whoever registers for them."""
+    """Critical XIDs delivered to whoever registers for them, at each registration."""
+    xid_events: tuple[tuple[int, int], ...] = ()
+    """(event id, XID) pairs, ids ascending from 1: critical XIDs that happen while a session is
+    open. Each id is delivered once to every event set registered on the card when the
+    description listing it is written (not to sets registered after); see `with_xid`."""
     xid_events_supported: bool = True
     errors: Mapping[str, str] = attrs.field(factory=dict, hash=False)
     """NVML function name (or "*" for all) -> NVML_ERROR_* name it fails with on this card."""
@@ -191,9 +198,16 @@ class StandinDevice:
             "temperature": self.temperature_celsius,
             "power_usage": self.power_usage_mw,
             "xids": list(self.xids),
+            "xid_events": [{"id": event_id, "xid": xid} for event_id, xid in self.xid_events],
             "xid_events_supported": self.xid_events_supported,
             "errors": dict(self.errors),
         }
+
+
+def with_xid(device: StandinDevice, xid: int) -> StandinDevice:
+    """`device` with one more critical XID happening: an `xid_events` entry with the next id."""
+    next_id = max((event_id for event_id, _ in device.xid_events), default=0) + 1
+    return attrs.evolve(device, xid_events=(*device.xid_events, (next_id, xid)))
 
 
 def standin_device(index: int, **changes: Any) -> StandinDevice:
@@ -259,11 +273,39 @@ def make_device_nodes(dev: Path, minors: Iterable[int]) -> Path:
     return dev
 
 
+def change_device(node: StandinNode, index: int, **changes: Any) -> StandinNode:
+    """`node` with field changes to card `index`, e.g. `change_device(node, 1, errors={"*":
+    "GPU_IS_LOST"})`; write it with `write_description` to change a running session."""
+    devices = list(node.devices)
+    devices[index] = attrs.evolve(devices[index], **changes)
+    return attrs.evolve(node, devices=tuple(devices))
+
+
+def write_description(path: Path, node: StandinNode) -> None:
+    """Writes `node`'s description to `path` atomically (a temporary file in the same directory,
+    then a rename), so the stand-in, which reads the file again whenever it changes while a
+    session is open, never reads half of one."""
+    _write_atomically(path, node.to_json())
+
+
 def write_node(path: Path, node: StandinNode | Mapping[str, Any]) -> Path:
-    """Writes a node description (a `StandinNode`, or the JSON shape as a mapping) to `path`."""
-    description = node.to_json() if isinstance(node, StandinNode) else dict(node)
-    path.write_text(json.dumps(description, indent=1))
+    """Writes a node description (a `StandinNode`, or the JSON shape as a mapping) to `path`,
+    atomically as `write_description` does, and returns `path`."""
+    _write_atomically(path, node.to_json() if isinstance(node, StandinNode) else dict(node))
     return path
+
+
+def _write_atomically(path: Path, description: Mapping[str, Any]) -> None:
+    text = json.dumps(description, indent=1)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.chmod(partial, 0o644)  # readable by the agent's processes, as a plain write leaves it
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
 
 
 def nvlinked_node(

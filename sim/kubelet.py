@@ -644,6 +644,11 @@ class SimulatedKubelet:
             if w.process is not None
         ]
 
+    def nvml_description(self, node: str) -> Path:
+        """The stand-in NVML description of `node`: rewrite it (`nvml.standin.write_description`)
+        and the node's running agent sees its cards change (an XID, a card lost, a process)."""
+        return self._nodes[node].description
+
     def kill(self, job_name: str) -> None:
         """SIGKILLs the running agent of Job `job_name` (a worker dying under its pod)."""
         worker = self._running(job_name)

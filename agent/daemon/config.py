@@ -31,6 +31,7 @@ from pathlib import Path
 
 import attrs
 
+from agent.gpus.health import DEFAULT_FAULT_XIDS
 from agent.runtime.config import ContainerConfig
 from wire.admission import DEFAULT_IDLE_TIMEOUT_S, ConnectionLimits
 from wire.connection import KeepaliveConfig
@@ -65,6 +66,49 @@ class TunnelConfig:
     backoff_initial_s: float = 0.5
     backoff_cap_s: float = 30.0
     backoff_stable_s: float = 60.0
+
+
+@attrs.frozen
+class HealthConfig:
+    """How the agent watches its claimed cards while it runs (agent/daemon/health.py)."""
+
+    fault_xids: frozenset[int] = DEFAULT_FAULT_XIDS
+    """LEVERS9_GPU_FAULT_XIDS: the critical XIDs that quarantine a card."""
+    policy: str = "fail"
+    """LEVERS9_GPU_FAULT_POLICY: `fail` stops the container on a quarantined card and fails it
+    with the reason; `mark` lets it run, with an event saying what happened."""
+    poll_s: float = 2.0
+    """LEVERS9_GPU_HEALTH_POLL_S: how often each card's health and processes are read."""
+
+
+FAULT_POLICIES = ("fail", "mark")
+
+
+def load_health_config(env: Mapping[str, str]) -> HealthConfig:
+    name = ENV_PREFIX + "GPU_FAULT_XIDS"
+    raw = env.get(name)
+    xids = DEFAULT_FAULT_XIDS
+    if raw:
+        try:
+            xids = frozenset(int(part) for part in raw.split(",") if part.strip())
+        except ValueError:
+            raise ConfigError(
+                name, f"{name} must be a comma-separated list of XID numbers, not {raw!r}"
+            ) from None
+        if not xids or any(x <= 0 for x in xids):
+            raise ConfigError(
+                name, f"{name} must list positive XID numbers (e.g. 48,79,94), not {raw!r}"
+            )
+    policy_name = ENV_PREFIX + "GPU_FAULT_POLICY"
+    policy = (env.get(policy_name) or "fail").strip().lower()
+    if policy not in FAULT_POLICIES:
+        raise ConfigError(
+            policy_name,
+            f"{policy_name} must be 'fail' or 'mark', not {env.get(policy_name)!r}",
+        )
+    return HealthConfig(
+        fault_xids=xids, policy=policy, poll_s=_number(env, "GPU_HEALTH_POLL_S", 2.0)
+    )
 
 
 @attrs.frozen
@@ -117,6 +161,8 @@ class AgentConfig:
     only containers' declared ports: with hostNetwork the loopback is the node's."""
     metrics: MetricsConfig | None = None
     """The `/metrics` listener; None (LEVERS9_METRICS_PORT unset, the default): none."""
+    health: HealthConfig = HealthConfig()
+    """The watch over the claimed cards while the worker runs."""
 
     @property
     def controlplane_host(self) -> str:
@@ -414,6 +460,7 @@ def load_config(env: MutableMapping[str, str] | None = None) -> AgentConfig:
         idle_s=_number(env, "IDLE_S", 0.0) if env.get(ENV_PREFIX + "IDLE_S") else None,
         loopback_connect=_on_off(env, "LOOPBACK_CONNECT", False),
         metrics=load_metrics_config(env),
+        health=load_health_config(env),
     )
 
 

@@ -34,7 +34,7 @@ import errno
 import functools
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 import trio
@@ -203,6 +203,16 @@ def _card_families(view: AgentView) -> list[Metric]:
         claimed = gauge(
             "levers9_gpu_claimed", "1 for a card this worker serves, 0 for one it does not."
         )
+        health = GaugeMetricFamily(
+            "levers9_gpu_health",
+            "1 for each card this worker was given, labelled with its state now (serving, "
+            "refused, unhealthy: quarantined while the worker ran, occupied: used by a process "
+            "outside levers9).",
+            labels=("uuid", "index", "state"),
+        )
+        for info in view.claim:
+            health.add_metric([info.uuid, str(info.index), str(info.state.value)], 1)
+        families.append(health)
         given = {info.uuid: info for info in view.claim}
         for info in view.claim:
             serves = 1 if info.state is CardState.SERVING else 0
@@ -332,6 +342,11 @@ def read_cards(nvml: Nvml, devices: Sequence[Device]) -> tuple[CardSample, ...]:
     return tuple(samples)
 
 
+ClaimSource = tuple[CardInfo, ...] | Callable[[], tuple[CardInfo, ...]] | None
+"""The claimed cards, or how to read them at each scrape (their states change while the worker
+runs: agent/daemon/health.py); None: the claim failed."""
+
+
 class AgentCollector:
     """A `prometheus_client` collector reading the agent's parts at scrape time (memory only:
     the cards come from `GpuSampler`'s latest sample). A part left None is not reported."""
@@ -342,7 +357,7 @@ class AgentCollector:
         worker: str,
         mode: str,
         gpus: GpuSampler | None = None,
-        claim: tuple[CardInfo, ...] | None = None,
+        claim: ClaimSource = None,
         containers: ContainerManager | None = None,
         store: ObjectStore | None = None,
         volumes: Volumes | None = None,
@@ -362,7 +377,7 @@ class AgentCollector:
             version=__version__,
             cards=self._gpus.cards if self._gpus else (),
             xids=self._gpus.xids if self._gpus else {},
-            claim=self._claim,
+            claim=self._claim() if callable(self._claim) else self._claim,
             containers=None if self._containers is None else container_counts(self._containers),
             store=None if self._store is None else self._store.statistics(),
             bucket_mounts=None if self._volumes is None else len(self._volumes.statistics().mounts),
@@ -384,7 +399,7 @@ async def serve_agent_metrics(
     *,
     worker: str,
     mode: str,
-    claim: tuple[CardInfo, ...] | None,
+    claim: ClaimSource,
     manager: ContainerManager | None,
     task_status: trio.TaskStatus[int | None] = trio.TASK_STATUS_IGNORED,
 ) -> None:

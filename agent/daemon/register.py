@@ -4,11 +4,13 @@ as a heartbeat, retried with capped, jittered backoff.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import socket
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -143,14 +145,42 @@ async def deregister_once(config: AgentConfig) -> None:
     await _call_controlplane(config, f"/v1/workers/{config.worker_id}/deregister", {})
 
 
-async def register_loop(config: AgentConfig, registration: Registration) -> None:
+class RegisterNudge:
+    """Wakes the register loop early: a card changed state and the controlplane must hear it
+    now, not at the next heartbeat. Nudges that come while one is pending make one."""
+
+    def __init__(self) -> None:
+        self._send, self._receive = trio.open_memory_channel[None](1)
+
+    def nudge(self) -> None:
+        with contextlib.suppress(trio.WouldBlock):
+            self._send.send_nowait(None)
+
+    async def wait(self) -> None:
+        await self._receive.receive()
+
+
+async def _wait_next(config: AgentConfig, seconds: float, nudge: RegisterNudge | None) -> None:
+    with trio.move_on_after(seconds):
+        if nudge is None:
+            await trio.sleep_forever()
+        await nudge.wait()
+
+
+async def register_loop(
+    config: AgentConfig,
+    registration: Registration | Callable[[], Registration],
+    nudge: RegisterNudge | None = None,
+) -> None:
     """Tell the controlplane how to reach us and what we have, and keep telling it: the
-    registration is the heartbeat (and the controlplane may have restarted)."""
+    registration is the heartbeat (and the controlplane may have restarted). A callable
+    `registration` is asked anew each time; `nudge` sends one at once."""
     policy = Backoff(cap_s=min(config.tunnel.backoff_cap_s, config.register_interval_s))
     state = BackoffState()
     while True:
+        current = registration() if callable(registration) else registration
         try:
-            await register_once(config, registration)
+            await register_once(config, current)
         except (OSError, trio.BrokenResourceError, trio.TooSlowError, ApiError) as exc:
             record_failure(state)
             delay = next_delay(policy, state, random.random())
@@ -161,10 +191,10 @@ async def register_loop(config: AgentConfig, registration: Registration) -> None
                 delay,
                 extra={"worker": config.worker_id, "reason": reason, "delay_s": round(delay, 3)},
             )
-            await trio.sleep(delay)
+            await _wait_next(config, delay, nudge)
             continue
         state.failures = 0
-        await trio.sleep(config.register_interval_s)
+        await _wait_next(config, config.register_interval_s, nudge)
 
 
 TUNNEL_FAILURES = (

@@ -27,8 +27,10 @@ import trio
 
 from agent.daemon.config import AgentConfig
 from agent.daemon.direct import serve_direct
+from agent.daemon.health import CardHealthWatch
 from agent.daemon.metrics import serve_agent_metrics
 from agent.daemon.register import (
+    RegisterNudge,
     cert_hosts,
     deregister_once,
     failure_reason,
@@ -39,6 +41,7 @@ from agent.daemon.routes import WorkerState, build_router
 from agent.daemon.tunnel import run_tunnel
 from agent.gpus.claim import Claim, GpuConfig, GpuSetupError, claim_cards
 from agent.gpus.edits import discover_node_files
+from agent.gpus.health import all_our_pids
 from agent.gpus.ledger import CardLedger
 from agent.gpus.podresources import PodResourcesError
 from agent.runtime.manager import ContainerManager, open_container_manager
@@ -113,15 +116,29 @@ async def _serve(
                         config.metrics,
                         worker=config.worker_id,
                         mode=config.mode,
-                        claim=None if claim is None else state.cards,
+                        claim=None if claim is None else (lambda: state.cards),
                         manager=manager,
                     )
+                )
+            nudge = RegisterNudge()
+            if claim is not None:
+                await nursery.start(
+                    CardHealthWatch(
+                        config.health,
+                        state,
+                        nudge,
+                        ledger=None
+                        if manager is None or manager.gpus is None
+                        else manager.gpus.ledger,
+                        manager=manager,
+                        driver_dir=GpuConfig.from_environ(os.environ).driver_dir,
+                    ).run
                 )
             if manager is not None and config.idle_s is not None:
                 nursery.start_soon(
                     _exit_when_idle, config, manager, config.idle_s, nursery.cancel_scope
                 )
-            await _serve_with(config, state, service, task_status)
+            await _serve_with(config, state, service, nudge, task_status)
 
 
 def idle_for(active: int, idle_since: float | None, now: float) -> float | None:
@@ -192,6 +209,7 @@ async def _serve_with(
     config: AgentConfig,
     state: WorkerState,
     service: Service,
+    nudge: RegisterNudge,
     task_status: trio.TaskStatus[int | None],
 ) -> None:
     async with trio.open_nursery() as nursery:
@@ -202,7 +220,10 @@ async def _serve_with(
             cert_key = make_self_signed(common_name, cert_hosts(config))
             port = await nursery.start(serve_direct, config, service, cert_key)
             nursery.start_soon(
-                register_loop, config, registration(config, state, cert_key.fingerprint, port)
+                register_loop,
+                config,
+                functools.partial(registration, config, state, cert_key.fingerprint, port),
+                nudge,
             )
             log.info(
                 "worker %s serving directly on %s:%d",
@@ -221,7 +242,9 @@ async def _serve_with(
             task_status.started(port)
         else:
             nursery.start_soon(run_tunnel, config, service)
-            nursery.start_soon(register_loop, config, registration(config, state))
+            nursery.start_soon(
+                register_loop, config, functools.partial(registration, config, state), nudge
+            )
             task_status.started(None)
 
 
@@ -233,7 +256,10 @@ async def claim_into(state: WorkerState, environ: Mapping[str, str]) -> Claim | 
     """
     fields = {"worker": state.worker_id, "node": state.node}
     try:
-        claim = await claim_cards(GpuConfig.from_environ(environ), environ)
+        # After an agent restart our containers still run on their cards: their processes
+        # are ours (by cgroup), not a reason to refuse the card.
+        own_pids = await trio.to_thread.run_sync(all_our_pids)
+        claim = await claim_cards(GpuConfig.from_environ(environ), environ, own_pids)
     except (NvmlError, PodResourcesError, GpuSetupError) as exc:
         state.gpu_problems = (f"no cards claimed: {exc}",)
         log.warning("no cards claimed: %s", exc, extra={**fields, "reason": str(exc)})

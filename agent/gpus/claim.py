@@ -240,15 +240,19 @@ class Claim:
 
 
 # XIDs that say the card itself is at fault (NVIDIA's XID catalogue); others (13, 31, 43, ...)
-# are faults of the application that ran, and the card is fine once it has ended.
+# are faults of the application that ran, and the card is fine once it has ended. Their keys are
+# also the default of LEVERS9_GPU_FAULT_XIDS, the XIDs that quarantine a card while the worker
+# runs (agent/gpus/health.py).
 CARD_FAULT_XIDS: Mapping[int, str] = {
     48: "a double-bit ECC error",
     61: "an internal micro-controller breakpoint",
     62: "an internal micro-controller halt",
+    63: "an ECC page retirement or row remapping",
     64: "a failed page retirement or row remapping",
     74: "an NVLink error",
     79: "the GPU falling off the bus",
     92: "a high single-bit ECC error rate",
+    94: "a contained ECC error",
     95: "an uncontained ECC error",
     119: "a GSP RPC timeout",
     120: "a GSP error",

@@ -14,6 +14,7 @@ import attrs
 from agent.gpus.allocator import Allocation, Refusal, choose_cards
 from agent.gpus.claim import Card, Claim
 from nvml import Topology
+from workerapi.models import CardState
 
 
 class ConflictKind(enum.Enum):
@@ -80,6 +81,10 @@ class CardLedger:
     """Every card this worker was given, serving or refused."""
     _holders: dict[str, str] = attrs.field(factory=dict)
     """card UUID -> container id"""
+    _unhealthy: set[str] = attrs.field(factory=set)
+    """Cards quarantined while the worker ran: never assigned again by this worker."""
+    _occupied: set[str] = attrs.field(factory=set)
+    """Cards a process outside levers9 uses now: not assigned while it does."""
 
     @classmethod
     def for_claim(cls, claim: Claim) -> CardLedger:
@@ -94,14 +99,31 @@ class CardLedger:
     def cards_of(self, container_id: str) -> tuple[str, ...]:
         return tuple(sorted(u for u, c in self._holders.items() if c == container_id))
 
+    def placeable(self) -> tuple[Card, ...]:
+        """The serving cards that may be assigned now (not quarantined, not occupied)."""
+        out = self._unhealthy | self._occupied
+        return tuple(c for c in self.cards if c.uuid not in out)
+
     def free_count(self) -> int:
-        return sum(1 for c in self.cards if c.uuid not in self._holders)
+        return sum(1 for c in self.placeable() if c.uuid not in self._holders)
+
+    def set_state(self, uuid: str, state: CardState) -> None:
+        """What the health watch decided for a card: UNHEALTHY takes it out for good, OCCUPIED
+        while it lasts, SERVING puts an occupied card back (never a quarantined one)."""
+        if state is CardState.UNHEALTHY:
+            self._unhealthy.add(uuid)
+            self._occupied.discard(uuid)
+        elif state is CardState.OCCUPIED:
+            if uuid not in self._unhealthy:
+                self._occupied.add(uuid)
+        elif state is CardState.SERVING:
+            self._occupied.discard(uuid)
 
     def assign(self, container_id: str, count: int) -> Allocation | Refusal:
         """Gives `container_id` `count` cards, or refuses saying how many are free."""
         if self.cards_of(container_id):
             raise ValueError(f"container {container_id} already holds cards")
-        result = choose_cards(self.cards, self.in_use(), count, self.topology)
+        result = choose_cards(self.placeable(), self.in_use(), count, self.topology)
         if isinstance(result, Allocation):
             for card in result.cards:
                 self._holders[card.uuid] = container_id

@@ -185,6 +185,8 @@ class ContainerManager:
         self.gpus = gpus
         self._nursery = nursery
         self._containers: dict[str, Container] = {}
+        self._card_faults: dict[str, str] = {}
+        """container id -> why it was stopped: a card it held turned unhealthy."""
         self._snapshot_lock = trio.Lock()
         self.root = config.state_dir / "containers"
         self.snapshots_dir = config.state_dir / "snapshots"
@@ -596,6 +598,10 @@ class ContainerManager:
                 oom_killed=oom,
             )
             return
+        fault = self._card_faults.pop(container.id, None)
+        if fault is not None:
+            await self._fail(container, ErrorCode.UNAVAILABLE, fault, oom_killed=oom)
+            return
         await self._give_back(container)
         self._update(
             container,
@@ -881,6 +887,19 @@ class ContainerManager:
     def _event(self, container: Container, message: str) -> None:
         log.warning("container %s: %s", container.id, message, extra={"container": container.id})
         self._update(container, events=(*container.record.events, message)[-MAX_EVENTS:])
+
+    async def card_fault(self, container_id: str, message: str, *, stop: bool) -> None:
+        """A card `container_id` holds turned unhealthy (the health watch says which, and why,
+        in `message`): the event goes on its status; with `stop`, it is killed and ends FAILED
+        with `message` as its error, so the controlplane fails its task with that reason."""
+        container = self._containers.get(container_id)
+        if container is None or container.state.finished:
+            return
+        self._event(container, message)
+        if not stop:
+            return
+        self._card_faults[container_id] = message
+        await self.stop(container_id, grace_s=0)
 
     def volume_event(self, holders: tuple[str, ...], message: str) -> None:
         """What the bucket mounts report (a remount, a failed upload), kept on each holder."""

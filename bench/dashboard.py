@@ -24,11 +24,9 @@ task store with tasks that ran and ended. Measured in one run:
 
 from __future__ import annotations
 
-import argparse
 import secrets
 import ssl
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,8 +35,7 @@ import attrs
 import httpx
 import trio
 
-from bench.report import Results, publish, ratios_of
-from bench.tunnel import run_until_sigterm
+from bench.report import Results, ratios_of, run_planned
 from control.api.server import Controlplane
 from control.cli.client import open_control_client
 from control.config import ControlConfig, parse
@@ -290,18 +287,16 @@ async def run_benchmark(root: Path, plan: Plan) -> tuple[Results, dict[str, floa
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    run_planned(
+        argv,
         prog="python -m bench.dashboard",
         description="The dashboard's Apps page over 10,000 tasks against `levers9 task list`, "
         "and /metrics with 1,000 workers.",
+        quick_help="1,000 tasks, 100 workers",
+        plans=(FULL, QUICK),
+        run=run_benchmark,
+        target=TARGET,
     )
-    parser.add_argument("--quick", action="store_true", help="1,000 tasks, 100 workers")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
-    args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    with tempfile.TemporaryDirectory(prefix="levers9-bench-dashboard-") as tmp:
-        results, inputs = trio.run(run_until_sigterm, lambda: run_benchmark(Path(tmp), plan))
-    publish(results, inputs, args.json, target=TARGET)
     print(COMPARED)
 
 

@@ -28,10 +28,8 @@ Needs root, runc and docker-registry (`make deps`).
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -39,8 +37,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from bench.report import Results, publish
-from bench.tunnel import run_until_sigterm
+from bench.report import Results, run_planned
 from control.cli.client import ControlClient
 from control.models import MachineList, TaskRequest, TaskState, TaskView
 from nvml.standin import (
@@ -293,18 +290,16 @@ async def run_benchmark(workdir: Path, plan: Plan) -> tuple[Results, dict[str, f
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    run_planned(
+        argv,
         prog="python -m bench.gpuhealth",
         description="A failing card's task failed with its reason and the card shown out; no "
         "task on a quarantined card; a squatter seen.",
+        quick_help="fewer cards and placements",
+        plans=(FULL, QUICK),
+        run=run_benchmark,
+        target=TARGET,
     )
-    parser.add_argument("--quick", action="store_true", help="fewer cards and placements")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
-    args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    with tempfile.TemporaryDirectory(prefix="levers9-bench-gpuhealth-") as tmp:
-        results, inputs = trio.run(run_until_sigterm, lambda: run_benchmark(Path(tmp), plan))
-    publish(results, inputs, args.json, target=TARGET)
 
 
 if __name__ == "__main__":

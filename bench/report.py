@@ -10,16 +10,20 @@ would read as a result.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import platform
 import subprocess
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 import psutil
+import trio
 
 
 def _cpu_model() -> str:
@@ -187,3 +191,34 @@ def publish(
             anchors=results.anchors,
             inputs=inputs,
         )
+
+
+P = TypeVar("P")
+"""A benchmark's plan: what it measures and how much."""
+
+
+def run_planned(
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+    quick_help: str,
+    plans: tuple[P, P],
+    run: Callable[[Path, P], Awaitable[tuple[Results, dict[str, float]]]],
+    target: str,
+) -> None:
+    """The command line of a benchmark with a full and a `--quick` plan (`plans`): runs
+    `run(workdir, plan)` in a temporary directory, stopping cleanly on SIGTERM, then prints the
+    report and writes it where `--json` says."""
+    from bench.tunnel import run_until_sigterm  # the tunnel benchmark imports this module
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
+    args = parser.parse_args(argv)
+    full, quick = plans
+    plan = quick if args.quick else full
+    name = prog.rpartition(".")[2]
+    with tempfile.TemporaryDirectory(prefix=f"levers9-bench-{name}-") as tmp:
+        results, inputs = trio.run(run_until_sigterm, lambda: run(Path(tmp), plan))
+    publish(results, inputs, args.json, target=target)

@@ -27,11 +27,9 @@ Needs root, runc and docker-registry (`make deps`).
 
 from __future__ import annotations
 
-import argparse
 import ssl
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,8 +43,7 @@ import trio
 
 from bench.anchors import percentile
 from bench.e2e import GREETING, compile_as_installed, time_to_line
-from bench.report import Results, publish, ratios_of
-from bench.tunnel import run_until_sigterm
+from bench.report import Results, ratios_of, run_planned
 from control.config import WorkspaceLimits
 from control.models import TaskRequest
 from sim.cluster import REPO, Cluster, PoolSpec, open_cluster
@@ -232,18 +229,16 @@ async def run_benchmark(workdir: Path, plan: Plan) -> tuple[Results, dict[str, f
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    run_planned(
+        argv,
         prog="python -m bench.tenants",
         description="Another workspace's `task list` and `levers9 run` with one workspace at "
         "its limits, against the same with it idle.",
+        quick_help="fewer samples",
+        plans=(FULL, QUICK),
+        run=run_benchmark,
+        target=TARGET,
     )
-    parser.add_argument("--quick", action="store_true", help="fewer samples")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the report here")
-    args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    with tempfile.TemporaryDirectory(prefix="levers9-bench-tenants-") as tmp:
-        results, inputs = trio.run(run_until_sigterm, lambda: run_benchmark(Path(tmp), plan))
-    publish(results, inputs, args.json, target=TARGET)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from wire.connection import (
     StreamRefused,
     StreamReset,
     header_value,
+    open_http2_connection,
 )
 from wire.errors import ApiError, ErrorBody, ErrorCode, dumps, loads, structure
 from wire.http2 import Http2Settings
@@ -332,20 +333,7 @@ async def open_api_client(
 
     A connection that ends before it is ready raises `ConnectionLost` itself, not inside an
     ExceptionGroup of this function's nursery, so callers retry it as they would any other."""
-    conn = Http2Connection(
+    async with open_http2_connection(
         transport, client_side=True, settings=settings, keepalive=keepalive, name=authority
-    )
-    lost: ConnectionLost | None = None
-    async with trio.open_nursery() as nursery:
-        try:
-            await nursery.start(conn.run)
-        except ConnectionLost as exc:
-            lost = exc
-        else:
-            try:
-                yield client_class(conn, token=token, authority=authority)
-            finally:
-                await conn.aclose()
-                nursery.cancel_scope.cancel()
-    if lost is not None:
-        raise lost
+    ) as conn:
+        yield client_class(conn, token=token, authority=authority)
